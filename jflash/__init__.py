@@ -1,0 +1,9 @@
+"""jflash: exact FlashAttention for JAX, one API on GPU, TPU and CPU."""
+
+from jflash.attention import dot_product_attention, selected_implementation
+from jflash.backends import BACKENDS, default_order
+
+__version__ = "0.1.0"
+
+__all__ = ["dot_product_attention", "selected_implementation", "BACKENDS",
+           "default_order", "__version__"]

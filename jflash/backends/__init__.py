@@ -1,0 +1,42 @@
+"""The backends behind :func:`jflash.dot_product_attention`, by name.
+
+``BACKENDS`` maps each name accepted by ``implementation=`` to its backend.
+:func:`default_order` gives the order tried when ``implementation=None``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+
+from jflash.backends.base import AttentionCall, Backend, Unavailable
+from jflash.backends.cudnn import CudnnBackend
+from jflash.backends.xla import XlaBackend, XlaConfig
+
+BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
+    "mosaic_gpu": Unavailable(
+        "mosaic_gpu", "the Hopper (Pallas Mosaic GPU) kernels are not "
+        "built yet; use 'cudnn' or 'xla'"),
+    "mosaic_tpu": Unavailable(
+        "mosaic_tpu", "the TPU (Pallas Mosaic TPU) kernels are not built "
+        "yet; use 'xla'"),
+    "cudnn": CudnnBackend(),
+    "xla": XlaBackend(),
+})
+
+
+def default_order(platform: str | None = None) -> tuple[str, ...]:
+  """Backends tried for ``implementation=None`` on ``platform`` (default:
+  ``jax.default_backend()``).  Always ends with ``"xla"``, which serves
+  every valid call."""
+  platform = platform or jax.default_backend()
+  if platform == "gpu":
+    return ("mosaic_gpu", "cudnn", "xla")
+  if platform == "tpu":
+    return ("mosaic_tpu", "xla")
+  return ("xla",)
+
+
+__all__ = ["AttentionCall", "Backend", "BACKENDS", "XlaBackend", "XlaConfig",
+           "default_order"]

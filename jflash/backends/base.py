@@ -1,0 +1,81 @@
+"""What a backend receives and the contract it follows.
+
+A backend is a callable that takes one :class:`AttentionCall` (inputs already
+validated and put in canonical 4-D form by :mod:`jflash.attention`) and
+returns ``(out, logsumexp)``, differentiable with respect to query, key,
+value and bias.
+
+Contract:
+  * ``NotImplementedError``: "I cannot serve this call" (platform, dtype,
+    feature, shape); dispatch tries the next backend.  The message says why.
+  * Anything it accepts it computes exactly as :mod:`jflash.reference`
+    defines; it never drops an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+
+from jflash.masks import AttentionMask
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  """One canonical attention call.
+
+  Attributes:
+    query: ``[B, T, N, H]``.
+    key: ``[B, S, K, H]``, ``N % K == 0``.
+    value: ``[B, S, K, H]``.
+    bias: ``[B|1, N|1, T|1, S|1]`` floating, or None.
+    mask: every visibility rule (causal, window, lengths, segment ids and
+      the dense boolean mask).
+    scale: multiplies ``query . key`` before the bias is added.
+    logits_soft_cap: ``cap * tanh(logits / cap)`` after scale and bias, or
+      None.
+  """
+
+  query: Array
+  key: Array
+  value: Array
+  bias: Array | None
+  mask: AttentionMask
+  scale: float
+  logits_soft_cap: float | None
+
+  @property
+  def dtype(self):
+    return self.query.dtype
+
+  @property
+  def shape_description(self) -> str:
+    b, t, n, h = self.query.shape
+    s, k = self.key.shape[1], self.key.shape[2]
+    return f"B={b} T={t} S={s} N={n} K={k} H={h} dtype={self.dtype}"
+
+
+class Backend(Protocol):
+  """An attention implementation behind :func:`jflash.dot_product_attention`."""
+
+  name: str
+
+  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    """Returns ``(out [B, T, N, H], logsumexp [B, T, N] float32)`` or raises
+    ``NotImplementedError``."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Unavailable:
+  """A backend whose kernels do not exist yet: always declines."""
+
+  name: str
+  reason: str
+
+  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    raise NotImplementedError(f"{self.name}: {self.reason}")

@@ -1,0 +1,358 @@
+"""The ``xla`` backend: blockwise exact attention in pure JAX.
+
+The FlashAttention recurrence written with ``lax`` loops: the ``[T, S]``
+score matrix is visited one ``block_q x block_kv`` tile at a time with an
+online softmax, so memory stays linear in sequence length.  Tiles that
+:func:`jflash.masks.tile_schedule` marks empty are never computed.  The
+backward pass (its own ``jax.custom_vjp``) recomputes probabilities tile by
+tile from the saved logsumexp, in two passes (dQ; then dK and dV), neither
+of which needs atomics, so results are deterministic.
+
+Tiles span the whole batch and all heads, so inputs sharded over batch or
+heads with ``NamedSharding`` stay sharded through the loops.  Arithmetic is
+float32 (float64 for float64 inputs) with ``Precision.HIGHEST`` matmuls,
+whatever the input dtype: this backend favours exactness over speed; the
+hardware backends are the fast path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jflash import masks
+from jflash.backends.base import AttentionCall
+
+Array = jax.Array
+_HIGHEST = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+  """Tiling of the ``xla`` backend.
+
+  Attributes:
+    block_q: query rows per tile (clipped to ``T``).
+    block_kv: keys per tile (clipped to ``S``).
+    max_tile_elements: upper bound on ``B * N * block_q * block_kv``, the
+      size of one float32 score tile; blocks are halved (down to 16) until a
+      tile fits, which bounds the loop's working memory.
+  """
+
+  block_q: int = 512
+  block_kv: int = 512
+  max_tile_elements: int = 1 << 22
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "max_tile_elements"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"XlaConfig.{name} must be a positive int, got "
+                         f"{value!r}")
+
+  def blocks_for(self, batch: int, heads: int, q_len: int,
+                 kv_len: int) -> tuple[int, int]:
+    """The ``(block_q, block_kv)`` used for one call's shapes."""
+    block_q, block_kv = min(self.block_q, q_len), min(self.block_kv, kv_len)
+    while batch * heads * block_q * block_kv > self.max_tile_elements:
+      if block_kv >= block_q and block_kv > 16:
+        block_kv = max(16, block_kv // 2)
+      elif block_q > 16:
+        block_q = max(16, block_q // 2)
+      else:
+        break
+    return block_q, block_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one call (hashable: a ``nondiff_argnums`` entry)."""
+
+  scale: float
+  soft_cap: float | None
+  block_q: int
+  block_kv: int
+  num_q: int
+  num_kv: int
+  compute_dtype: np.dtype
+
+
+def _pad_axis(x: Array, axis: int, size: int) -> Array:
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _split_heads(x: Array, num_kv_heads: int) -> Array:
+  """``[B', N|1, ...]`` -> ``[B', K|1, G|1, ...]`` (head n = k * G + g)."""
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
+
+
+def _merge_heads(x: Array) -> Array:
+  """``[B, K, G, rows, ...]`` -> ``[B, rows, N, ...]``."""
+  b, k, g, rows = x.shape[:4]
+  x = x.reshape(b, k * g, rows, *x.shape[4:])
+  return jnp.moveaxis(x, 1, 2)
+
+
+class _Tiles:
+  """Loads tiles of the padded operands and recomputes tile logits."""
+
+  def __init__(self, q, k, v, bias, mask: masks.AttentionMask, plan: _Plan):
+    self.plan = plan
+    self.mask = mask
+    self.num_kv_heads = k.shape[2]
+    self.batch = q.shape[0]
+    tq, tk = plan.num_q * plan.block_q, plan.num_kv * plan.block_kv
+    self.q = _pad_axis(q, 1, tq)
+    self.k = _pad_axis(k, 1, tk)
+    self.v = _pad_axis(v, 1, tk)
+    if bias is not None:
+      if bias.shape[2] > 1:
+        bias = _pad_axis(bias, 2, tq)
+      if bias.shape[3] > 1:
+        bias = _pad_axis(bias, 3, tk)
+    self.bias = bias
+
+  def rows(self, x: Array, qi: Array) -> Array:
+    """Query-side rows of block ``qi`` as ``[B, bq, K, G, ...]``."""
+    blk = lax.dynamic_slice_in_dim(x, qi * self.plan.block_q,
+                                   self.plan.block_q, 1)
+    blk = blk.astype(self.plan.compute_dtype)
+    return blk.reshape(blk.shape[0], blk.shape[1], self.num_kv_heads, -1,
+                       *blk.shape[3:])
+
+  def query_stats(self, x: Array, qi: Array) -> Array:
+    """Per-row statistics ``[B, Tp, N]`` of block ``qi`` as ``[B, K, G, bq]``."""
+    blk = lax.dynamic_slice_in_dim(x, qi * self.plan.block_q,
+                                   self.plan.block_q, 1)
+    return _split_heads(jnp.moveaxis(blk, 2, 1), self.num_kv_heads)
+
+  def keys(self, ki: Array) -> tuple[Array, Array]:
+    start, size = ki * self.plan.block_kv, self.plan.block_kv
+    kb = lax.dynamic_slice_in_dim(self.k, start, size, 1)
+    vb = lax.dynamic_slice_in_dim(self.v, start, size, 1)
+    cdt = self.plan.compute_dtype
+    return kb.astype(cdt), vb.astype(cdt)
+
+  def bias_slice(self, x: Array, qi: Array, ki: Array) -> Array:
+    """The ``[B|1, N|1, bq|1, bk|1]`` window of a bias-shaped array."""
+    if x.shape[2] > 1:
+      x = lax.dynamic_slice_in_dim(x, qi * self.plan.block_q,
+                                   self.plan.block_q, 2)
+    if x.shape[3] > 1:
+      x = lax.dynamic_slice_in_dim(x, ki * self.plan.block_kv,
+                                   self.plan.block_kv, 3)
+    return x
+
+  def logits(self, qb: Array, kb: Array, qi: Array,
+             ki: Array) -> tuple[Array, Array | None]:
+    """Masked logits ``[B, K, G, bq, bk]`` of tile (qi, ki), and
+    ``tanh(raw / cap)`` when a soft cap is set (for its derivative)."""
+    plan = self.plan
+    s = jnp.einsum("bqkgh,bskh->bkgqs", qb, kb, precision=_HIGHEST)
+    s = s * jnp.asarray(plan.scale, s.dtype)
+    if self.bias is not None:
+      bias = self.bias_slice(self.bias, qi, ki).astype(s.dtype)
+      s = s + _split_heads(bias, self.num_kv_heads)
+    tanh = None
+    if plan.soft_cap is not None:
+      cap = jnp.asarray(plan.soft_cap, s.dtype)
+      tanh = jnp.tanh(s / cap)
+      s = cap * tanh
+    visible = jax.vmap(lambda b: self.mask.block_visibility(
+        b, qi * plan.block_q, plan.block_q, ki * plan.block_kv,
+        plan.block_kv))(jnp.arange(self.batch))
+    s = jnp.where(_split_heads(visible, self.num_kv_heads), s, -jnp.inf)
+    return s, tanh
+
+
+def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
+  tiles = _Tiles(q, k, v, bias, mask, plan)
+  batch, _, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  stat_shape = (batch, num_kv_heads, num_heads // num_kv_heads, plan.block_q)
+  cdt = plan.compute_dtype
+
+  def q_block(qi):
+    qb = tiles.rows(tiles.q, qi)
+
+    def body(j, carry):
+      m, l, acc = carry
+      ki = sched.kv_order[0, qi, j]
+      kb, vb = tiles.keys(ki)
+      s, _ = tiles.logits(qb, kb, qi, ki)
+      m_new = jnp.maximum(m, s.max(-1))
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      l = alpha * l + p.sum(-1)
+      acc = alpha[..., None] * acc + jnp.einsum(
+          "bkgqs,bskh->bkgqh", p, vb, precision=_HIGHEST)
+      return m_new, l, acc
+
+    init = (jnp.full(stat_shape, -jnp.inf, cdt), jnp.zeros(stat_shape, cdt),
+            jnp.zeros(stat_shape + (head_dim,), cdt))
+    m, l, acc = lax.fori_loop(0, sched.kv_count[0, qi], body, init)
+    empty = l == 0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return _merge_heads(out), _merge_heads(lse)
+
+  out, lse = lax.map(q_block, jnp.arange(plan.num_q))
+  # [nq, B, bq, N, ...] -> [B, T, N, ...]
+  out = jnp.moveaxis(out, 0, 1).reshape(batch, -1, num_heads, head_dim)
+  lse = jnp.moveaxis(lse, 0, 1).reshape(batch, -1, num_heads)
+  q_len = q.shape[1]
+  return out[:, :q_len].astype(q.dtype), lse[:, :q_len].astype(jnp.float32)
+
+
+def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
+  """Sums ``x`` over the axes where ``shape`` has a broadcast 1."""
+  axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape))
+               if b == 1 and a != 1)
+  return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
+              plan: _Plan):
+  tiles = _Tiles(q, k, v, bias, mask, plan)
+  cdt = plan.compute_dtype
+  num_kv_heads = k.shape[2]
+  tq = plan.num_q * plan.block_q
+  # delta_i = sum_h dO_ih O_ih - dlse_i: the row term of the softmax
+  # derivative, including the logsumexp's own cotangent.
+  delta = jnp.einsum("btnh,btnh->btn", d_out.astype(cdt), out.astype(cdt),
+                     precision=_HIGHEST) - d_lse.astype(cdt)
+  lse = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(cdt)
+  lse, delta = _pad_axis(lse, 1, tq), _pad_axis(delta, 1, tq)
+  d_out_padded = _pad_axis(d_out, 1, tq)
+  scale = jnp.asarray(plan.scale, cdt)
+
+  def logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki):
+    s, tanh = tiles.logits(qb, kb, qi, ki)
+    p = jnp.exp(s - lse_b[..., None])
+    dp = jnp.einsum("bqkgh,bskh->bkgqs", dob, vb, precision=_HIGHEST)
+    ds = p * (dp - delta_b[..., None])
+    if tanh is not None:
+      ds = ds * (1.0 - tanh * tanh)
+    return p, ds
+
+  def query_side(qi):
+    return (tiles.rows(tiles.q, qi), tiles.rows(d_out_padded, qi),
+            tiles.query_stats(lse, qi), tiles.query_stats(delta, qi))
+
+  # Pass 1: dQ (and dbias), one query block at a time.
+  dbias0 = None
+  if bias is not None:
+    dbias0 = jnp.zeros(tiles.bias.shape, cdt)
+
+  def dq_block(dbias, qi):
+    qb, dob, lse_b, delta_b = query_side(qi)
+
+    def body(j, carry):
+      dq, dbias = carry
+      ki = sched.kv_order[0, qi, j]
+      kb, vb = tiles.keys(ki)
+      _, ds = logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki)
+      dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds, kb, precision=_HIGHEST)
+      if dbias is not None:
+        merged = ds.reshape(ds.shape[0], -1, *ds.shape[3:])  # [B, N, bq, bk]
+        window = tiles.bias_slice(dbias, qi, ki)
+        update = window + _reduce_to(merged, window.shape)
+        starts = (0, 0, qi * plan.block_q if dbias.shape[2] > 1 else 0,
+                  ki * plan.block_kv if dbias.shape[3] > 1 else 0)
+        dbias = lax.dynamic_update_slice(dbias, update, starts)
+      return dq, dbias
+
+    dq, dbias = lax.fori_loop(0, sched.kv_count[0, qi], body,
+                              (jnp.zeros_like(qb), dbias))
+    return dbias, dq * scale
+
+  dbias, dq = lax.scan(dq_block, dbias0, jnp.arange(plan.num_q))
+  dq = jnp.moveaxis(dq, 0, 1).reshape(tiles.q.shape)[:, :q.shape[1]]
+
+  # Pass 2: dK and dV, one key block at a time; the query-head group of
+  # each key/value head is summed inside the einsums.
+  def dkv_block(ki):
+    kb, vb = tiles.keys(ki)
+
+    def body(j, carry):
+      dk, dv = carry
+      qi = sched.q_order[0, ki, j]
+      qb, dob, lse_b, delta_b = query_side(qi)
+      p, ds = logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki)
+      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, dob, precision=_HIGHEST)
+      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qb, precision=_HIGHEST)
+      return dk, dv
+
+    dk, dv = lax.fori_loop(0, sched.q_count[0, ki], body,
+                           (jnp.zeros_like(kb), jnp.zeros_like(vb)))
+    return dk * scale, dv
+
+  dk, dv = lax.map(dkv_block, jnp.arange(plan.num_kv))
+  kv_len = k.shape[1]
+  dk = jnp.moveaxis(dk, 0, 1).reshape(tiles.k.shape)[:, :kv_len]
+  dv = jnp.moveaxis(dv, 0, 1).reshape(tiles.v.shape)[:, :kv_len]
+  if dbias is not None:
+    dbias = dbias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+
+
+def _schedule(mask, plan: _Plan) -> masks.TileSchedule:
+  # One schedule for the whole batch (a tile is visited if any row needs
+  # it), so the loops stay batch-vectorized and batch sharding survives.
+  return masks.tile_schedule(mask, plan.block_q, plan.block_kv,
+                             merge_batch=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, bias, mask, plan):
+  return _forward(q, k, v, bias, mask, _schedule(mask, plan), plan)
+
+
+def _attention_fwd(q, k, v, bias, mask, plan):
+  sched = _schedule(mask, plan)
+  out, lse = _forward(q, k, v, bias, mask, sched, plan)
+  return (out, lse), (q, k, v, bias, mask, sched, out, lse)
+
+
+def _attention_bwd(plan, residuals, cotangents):
+  q, k, v, bias, mask, sched, out, lse = residuals
+  d_out, d_lse = cotangents
+  dq, dk, dv, dbias = _backward(q, k, v, bias, mask, sched, out, lse, d_out,
+                                d_lse, plan)
+  return dq, dk, dv, dbias, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+  """Serves every valid call on every platform."""
+
+  config: XlaConfig = XlaConfig()
+  name: str = "xla"
+
+  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    batch, q_len, num_heads, _ = call.query.shape
+    kv_len = call.key.shape[1]
+    block_q, block_kv = self.config.blocks_for(batch, num_heads, q_len,
+                                               kv_len)
+    compute_dtype = jnp.promote_types(call.dtype, jnp.float32)
+    plan = _Plan(scale=float(call.scale), soft_cap=call.logits_soft_cap,
+                 block_q=block_q, block_kv=block_kv,
+                 num_q=-(-q_len // block_q), num_kv=-(-kv_len // block_kv),
+                 compute_dtype=np.dtype(compute_dtype))
+    return _attention(call.query, call.key, call.value, call.bias, call.mask,
+                      plan)

@@ -1,0 +1,372 @@
+"""Attention visibility: the one place that defines which query sees which key.
+
+Every backend, forward and backward, asks this module two questions:
+
+* **Per element**: is key ``s`` visible to query ``t`` in batch row ``b`` (and
+  head ``n``, when a dense mask is given)?  :meth:`AttentionMask.block_visibility`.
+* **Per tile**: for a tiling of the ``[T, S]`` score matrix into
+  ``block_q x block_kv`` tiles, is a tile empty (nothing visible: skip it),
+  full (everything visible: no masking needed) or partial (mask per element)?
+  :func:`tile_classes` and :func:`tile_schedule`.
+
+Semantics (identical to ``jax.nn.dot_product_attention`` where it has the
+feature; positions count from 0 at the start of the query and key sequences,
+so causal masking is aligned top-left when ``T != S``)::
+
+    visible(b, n, t, s) =
+        t < T and s < S
+        and (not is_causal or s <= t)
+        and (window is None or t - left <= s <= t + right)
+        and (q_lengths is None or t < q_lengths[b])
+        and (kv_lengths is None or s < kv_lengths[b])
+        and (segment_ids is None or q_segment_ids[b, t] == kv_segment_ids[b, s])
+        and (dense is None or dense[b, n, t, s])
+
+The structural part (causal, window, lengths) gives every query row one
+contiguous interval of visible keys whose two ends never decrease as ``t``
+grows; tile classification exploits that to decide emptiness exactly with a
+handful of integer operations per tile.  Segment ids and dense masks are
+classified from per-tile minima/maxima and any/all reductions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+EMPTY = 0
+"""Tile class: no query in the tile sees any key in the tile."""
+PARTIAL = 1
+"""Tile class: some pairs are visible; the kernel must mask per element."""
+FULL = 2
+"""Tile class: every pair in the tile is visible; no per-element mask needed."""
+
+_INT_MAX = np.iinfo(np.int32).max
+_INT_MIN = np.iinfo(np.int32).min
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+  """Everything that decides visibility, in canonical batched form.
+
+  Static fields (Python values, part of the trace):
+    batch: ``B``.
+    q_len: ``T``, the query sequence length.
+    kv_len: ``S``, the key/value sequence length.
+    is_causal: keys after the query position are hidden (top-left aligned).
+    window: ``(left, right)``: query ``t`` sees keys ``t - left .. t + right``;
+      ``None`` for no window.
+
+  Array fields (``None`` when absent):
+    q_lengths: ``[B]`` int32, queries at or past it see nothing.
+    kv_lengths: ``[B]`` int32, keys at or past it are hidden.
+    q_segment_ids: ``[B, T]`` int32.
+    kv_segment_ids: ``[B, S]`` int32; a query sees only keys of its segment.
+    dense: ``[B|1, N|1, T|1, S|1]`` bool, True means visible.
+  """
+
+  batch: int = dataclasses.field(metadata=dict(static=True))
+  q_len: int = dataclasses.field(metadata=dict(static=True))
+  kv_len: int = dataclasses.field(metadata=dict(static=True))
+  is_causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  window: tuple[int, int] | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
+  q_lengths: Array | None = None
+  kv_lengths: Array | None = None
+  q_segment_ids: Array | None = None
+  kv_segment_ids: Array | None = None
+  dense: Array | None = None
+
+  def __post_init__(self):
+    if self.window is not None:
+      left, right = self.window
+      if left < 0 or right < 0:
+        raise ValueError(f"window must be non-negative, got {self.window}")
+    if (self.q_segment_ids is None) != (self.kv_segment_ids is None):
+      raise ValueError("q_segment_ids and kv_segment_ids go together")
+
+  # ------------------------------------------------------------------ rows
+  def _right_offset(self) -> int | None:
+    """Largest ``s - t`` that is visible, or None when unbounded."""
+    offsets = []
+    if self.is_causal:
+      offsets.append(0)
+    if self.window is not None:
+      offsets.append(self.window[1])
+    return min(offsets) if offsets else None
+
+  def _row_bounds(self, b: Array | int, q_idx: Array) -> tuple[Array, Array]:
+    """Visible key interval ``[lo, hi)`` of each query row from the structural
+    part (causal, window, lengths, sequence bounds).  Empty rows get lo >= hi."""
+    q_idx = jnp.asarray(q_idx, jnp.int32)
+    lo = jnp.zeros_like(q_idx)
+    if self.window is not None:
+      lo = jnp.maximum(lo, q_idx - self.window[0])
+    hi = jnp.full_like(q_idx, self.kv_len)
+    if self.kv_lengths is not None:
+      hi = jnp.minimum(hi, self.kv_lengths[b])
+    right = self._right_offset()
+    if right is not None:
+      hi = jnp.minimum(hi, q_idx + right + 1)
+    q_valid = q_idx < self.q_len
+    if self.q_lengths is not None:
+      q_valid &= q_idx < self.q_lengths[b]
+    hi = jnp.where(q_valid, hi, lo)
+    return lo, hi
+
+  def has_structural_part_only(self) -> bool:
+    """True when only causal/window/lengths are set (no segments, no dense)."""
+    return self.q_segment_ids is None and self.dense is None
+
+  def rows_with_visible_keys(self) -> Array:
+    """``[B, T]`` bool: rows that see at least one key.
+
+    Exact only for the structural part; raises if segment ids or a dense mask
+    are present (those would need the full ``[T, S]`` product).
+    """
+    if not self.has_structural_part_only():
+      raise ValueError("rows_with_visible_keys covers causal, window and "
+                       "lengths only")
+    q_idx = jnp.arange(self.q_len, dtype=jnp.int32)
+    lo, hi = jax.vmap(lambda b: self._row_bounds(b, q_idx))(
+        jnp.arange(self.batch))
+    return lo < hi
+
+  # -------------------------------------------------------------- elements
+  def block_visibility(self, b: Array | int, q_start: Array | int, block_q: int,
+                       kv_start: Array | int, block_kv: int) -> Array:
+    """Visibility of one tile of one batch row.
+
+    Args:
+      b: batch row (may be traced).
+      q_start, kv_start: first query / key position of the tile (may be
+        traced; positions past ``T`` / ``S`` are invisible).
+      block_q, block_kv: static tile sizes.
+
+    Returns:
+      bool ``[N|1, block_q, block_kv]``; the leading axis is ``N`` only when a
+      dense mask with a head axis is present.
+    """
+    q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
+    k_idx = kv_start + jnp.arange(block_kv, dtype=jnp.int32)
+    lo, hi = self._row_bounds(b, q_idx)
+    vis = (k_idx[None, :] >= lo[:, None]) & (k_idx[None, :] < hi[:, None])
+    if self.q_segment_ids is not None:
+      q_seg = jnp.take(self.q_segment_ids[b], q_idx, mode="clip")
+      k_seg = jnp.take(self.kv_segment_ids[b], k_idx, mode="clip")
+      vis &= q_seg[:, None] == k_seg[None, :]
+    vis = vis[None]
+    if self.dense is not None:
+      vis = vis & self._dense_block(b, q_idx, k_idx)
+    return vis
+
+  def _dense_block(self, b: Array | int, q_idx: Array, k_idx: Array) -> Array:
+    dense = self.dense
+    row = dense[b if dense.shape[0] > 1 else 0]  # [N|1, T|1, S|1]
+    if row.shape[1] > 1:
+      row = jnp.take(row, q_idx, axis=1, mode="clip")
+    if row.shape[2] > 1:
+      row = jnp.take(row, k_idx, axis=2, mode="clip")
+    return row
+
+  def visibility(self) -> Array:
+    """The whole mask, ``[B, N|1, T, S]`` bool.  Quadratic: reference only."""
+    return jax.vmap(lambda b: self.block_visibility(
+        b, 0, self.q_len, 0, self.kv_len))(jnp.arange(self.batch))
+
+
+# ------------------------------------------------------------------- tiles
+def _structural_classes(mask: AttentionMask, block_q: int, block_kv: int,
+                        num_q: int, num_kv: int) -> tuple[Array, Array]:
+  """Nonempty and full flags ``[B, nq, nk]`` from causal/window/lengths.
+
+  The visible width of a row inside a tile, ``f(t) = min(hi(t), k1) -
+  max(lo(t), k0)``, is concave and piecewise linear in ``t`` (both interval
+  ends are nondecreasing with slope 0 or 1), so its maximum over the tile's
+  rows is attained at a tile end or at one of the breakpoints below.
+  """
+  q0 = (jnp.arange(num_q, dtype=jnp.int32) * block_q)[:, None]  # [nq, 1]
+  k0 = (jnp.arange(num_kv, dtype=jnp.int32) * block_kv)[None, :]  # [1, nk]
+  k1 = k0 + block_kv
+  q_last = q0 + block_q - 1
+  right = mask._right_offset()
+
+  def per_batch(b):
+    q_limit = jnp.asarray(mask.q_len, jnp.int32)
+    if mask.q_lengths is not None:
+      q_limit = jnp.minimum(q_limit, mask.q_lengths[b])
+    kv_limit = jnp.asarray(mask.kv_len, jnp.int32)
+    if mask.kv_lengths is not None:
+      kv_limit = jnp.minimum(kv_limit, mask.kv_lengths[b])
+    valid_last = jnp.minimum(q_last, q_limit - 1)  # last valid row in tile
+    candidates = [q0, valid_last]
+    if right is not None:
+      candidates += [k1 - right - 1, kv_limit - right - 1]
+    if mask.window is not None:
+      candidates += [k0 + mask.window[0],
+                     jnp.full_like(q0, mask.window[0])]
+    width = jnp.full(q0.shape[:1] + k0.shape[1:], -1, jnp.int32)
+    for cand in candidates:
+      t = jnp.clip(cand, q0, jnp.maximum(valid_last, q0))
+      lo, hi = mask._row_bounds(b, t)
+      width = jnp.maximum(width, jnp.minimum(hi, k1) - jnp.maximum(lo, k0))
+    nonempty = (width > 0) & (valid_last >= q0)
+    lo_last, _ = mask._row_bounds(b, q_last)
+    _, hi_first = mask._row_bounds(b, q0)
+    full = (q_last < q_limit) & (lo_last <= k0) & (hi_first >= k1)
+    return nonempty, full
+
+  return jax.vmap(per_batch)(jnp.arange(mask.batch))
+
+
+def _block_min_max(ids: Array, block: int, num: int) -> tuple[Array, Array]:
+  """Per-block min and max of ``ids [B, L]`` over real (unpadded) positions."""
+  pad = num * block - ids.shape[1]
+  lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=_INT_MAX)
+  hi = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=_INT_MIN)
+  return (lo.reshape(ids.shape[0], num, block).min(-1),
+          hi.reshape(ids.shape[0], num, block).max(-1))
+
+
+def _segment_classes(mask: AttentionMask, block_q: int, block_kv: int,
+                     num_q: int, num_kv: int) -> tuple[Array, Array]:
+  qmin, qmax = _block_min_max(mask.q_segment_ids, block_q, num_q)
+  kmin, kmax = _block_min_max(mask.kv_segment_ids, block_kv, num_kv)
+  qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+  kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+  nonempty = (qmin <= kmax) & (kmin <= qmax)
+  full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+  return nonempty, full
+
+
+def _dense_classes(mask: AttentionMask, block_q: int, block_kv: int,
+                   num_q: int, num_kv: int) -> tuple[Array, Array]:
+  dense = mask.dense
+  nb, _, tq, sk = dense.shape
+  # Reduce the query and key axes to blocks (or keep a broadcast axis of 1).
+  pad_q = num_q * block_q - tq if tq > 1 else 0
+  pad_k = num_kv * block_kv - sk if sk > 1 else 0
+  padded = jnp.pad(dense, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)))
+  shape = (nb, dense.shape[1], num_q if tq > 1 else 1, block_q if tq > 1 else 1,
+           num_kv if sk > 1 else 1, block_kv if sk > 1 else 1)
+  blocks = padded.reshape(shape)
+  nonempty = blocks.any(axis=(1, 3, 5))
+  full = blocks.all(axis=(1, 3, 5))
+  # Padded positions count as hidden for `full`; the structural part already
+  # marks tiles that hang over the sequence end as not full.
+  target = (mask.batch, num_q, num_kv)
+  return jnp.broadcast_to(nonempty, target), jnp.broadcast_to(full, target)
+
+
+def tile_classes(mask: AttentionMask, block_q: int, block_kv: int) -> Array:
+  """Classify every tile of the ``[T, S]`` score matrix.
+
+  Args:
+    mask: the visibility description.
+    block_q, block_kv: tile sizes; the last tile of each axis may hang over
+      the sequence end (those positions are invisible).
+
+  Returns:
+    int8 ``[B, ceil(T / block_q), ceil(S / block_kv)]`` with values
+    :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`.  The classification is
+    exact for causal, window and lengths, and conservative (never calls a
+    tile empty that holds a visible pair) for segment ids and dense masks;
+    for a dense mask with a head axis, a tile is nonempty if any head sees a
+    pair in it and full only if every head sees every pair.
+  """
+  if block_q < 1 or block_kv < 1:
+    raise ValueError(f"block sizes must be positive, got {block_q}, {block_kv}")
+  num_q, num_kv = _cdiv(mask.q_len, block_q), _cdiv(mask.kv_len, block_kv)
+  nonempty, full = _structural_classes(mask, block_q, block_kv, num_q, num_kv)
+  parts = []
+  if mask.q_segment_ids is not None:
+    parts.append(_segment_classes(mask, block_q, block_kv, num_q, num_kv))
+  if mask.dense is not None:
+    parts.append(_dense_classes(mask, block_q, block_kv, num_q, num_kv))
+  for part_nonempty, part_full in parts:
+    nonempty &= part_nonempty
+    full &= part_full
+  return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(
+      jnp.int8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+  """Which tiles to visit, computed once per call and shared by the forward,
+  dQ and dK/dV passes.
+
+  Attributes:
+    classes: int8 ``[B, nq, nk]`` tile classes.
+    kv_order: int32 ``[B, nq, nk]``: for each query block, the indices of its
+      nonempty key blocks in increasing order, followed by the empty ones.
+    kv_count: int32 ``[B, nq]``: how many leading entries of ``kv_order`` to
+      visit.
+    q_order: int32 ``[B, nk, nq]``: for each key block, its nonempty query
+      blocks first, in increasing order.
+    q_count: int32 ``[B, nk]``.
+    block_q, block_kv: the tiling (static).
+  """
+
+  classes: Array
+  kv_order: Array
+  kv_count: Array
+  q_order: Array
+  q_count: Array
+  block_q: int = dataclasses.field(metadata=dict(static=True))
+  block_kv: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def visited_tiles(self) -> Array:
+    """Number of tiles a pass visits (int32 scalar)."""
+    return self.kv_count.sum()
+
+
+def _nonempty_first(nonempty: Array) -> tuple[Array, Array]:
+  order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
+  return order, nonempty.sum(-1, dtype=jnp.int32)
+
+
+def merge_batch_classes(classes: Array) -> Array:
+  """``[B, nq, nk]`` -> ``[1, nq, nk]``: a tile is empty only if it is empty
+  for every batch row, and full only if it is full for every row."""
+  nonempty = (classes != EMPTY).any(0, keepdims=True)
+  full = (classes == FULL).all(0, keepdims=True)
+  return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(
+      jnp.int8)
+
+
+def tile_schedule(mask: AttentionMask, block_q: int, block_kv: int, *,
+                  merge_batch: bool = False) -> TileSchedule:
+  """Tile classes plus visiting orders for both loop nests (see
+  :class:`TileSchedule`).  With ``merge_batch`` the batch axis has size 1
+  and covers every row (see :func:`merge_batch_classes`)."""
+  classes = tile_classes(mask, block_q, block_kv)
+  if merge_batch:
+    classes = merge_batch_classes(classes)
+  nonempty = classes != EMPTY
+  kv_order, kv_count = _nonempty_first(nonempty)
+  q_order, q_count = _nonempty_first(jnp.swapaxes(nonempty, 1, 2))
+  return TileSchedule(classes, kv_order, kv_count, q_order, q_count,
+                      block_q, block_kv)
+
+
+def static_description(mask: AttentionMask) -> dict[str, Any]:
+  """The static part of a mask, for error messages and debugging."""
+  return dict(batch=mask.batch, q_len=mask.q_len, kv_len=mask.kv_len,
+              is_causal=mask.is_causal, window=mask.window,
+              q_lengths=mask.q_lengths is not None,
+              kv_lengths=mask.kv_lengths is not None,
+              segment_ids=mask.q_segment_ids is not None,
+              dense=None if mask.dense is None else tuple(mask.dense.shape))
