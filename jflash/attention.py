@@ -349,27 +349,40 @@ def _empty_result(call: AttentionCall) -> tuple[Array, Array]:
   return out, jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
 
 
-def selected_implementation(query: ArrayLike, key: ArrayLike,
-                            value: ArrayLike, *args, **kwargs) -> str:
-  """The backend name that :func:`dot_product_attention` would use for these
-  arguments (same signature).  Traces abstractly; computes nothing."""
+def selected_implementation(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | Sequence[str] | None = None,
+    return_residual: bool = False,
+) -> str:
+  """The name of the backend that :func:`dot_product_attention` would use
+  for these arguments (same signature).  Traces abstractly; computes
+  nothing."""
+  del return_residual  # does not influence the choice
   chosen = []
 
-  def run(q, k, v):
-    call, _ = _canonicalize(q, k, v, *args, **{
-        name: kwargs.get(name) for name in (
-            "scale", "query_seq_lengths", "key_value_seq_lengths",
-            "local_window_size", "segment_ids", "logits_soft_cap")},
-        is_causal=kwargs.get("is_causal", False))
-    backends = _requested_backends(kwargs.get("implementation"))
-    chosen.append(_dispatch(call, backends)[2])
+  def trace(query, key, value, bias, mask, query_seq_lengths,
+            key_value_seq_lengths, segment_ids):
+    call, _ = _canonicalize(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap)
+    chosen.append(_dispatch(call, _requested_backends(implementation))[2])
     return 0
 
-  unknown = set(kwargs) - {"scale", "is_causal", "query_seq_lengths",
-                           "key_value_seq_lengths", "local_window_size",
-                           "segment_ids", "logits_soft_cap", "implementation",
-                           "return_residual"}
-  if unknown:
-    raise ValueError(f"unknown keyword arguments {sorted(unknown)}")
-  jax.eval_shape(run, query, key, value)
+  jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,
+                 key_value_seq_lengths, segment_ids)
   return chosen[0]

@@ -1,0 +1,148 @@
+"""Test helpers: random inputs, the reference on user-level arguments, a plain
+same-dtype implementation for error baselines, and error metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflash
+from jflash import reference
+from jflash.attention import _canonicalize
+
+MASK_ARGS = ("is_causal", "query_seq_lengths", "key_value_seq_lengths",
+             "local_window_size", "segment_ids")
+
+
+@dataclasses.dataclass
+class Case:
+  """One attention problem with user-level arguments."""
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  bias: jax.Array | None = None
+  mask: jax.Array | None = None
+  kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def arrays(self):
+    return self.query, self.key, self.value, self.bias
+
+  def call_jflash(self, q, k, v, bias, **extra):
+    return jflash.dot_product_attention(q, k, v, bias, self.mask,
+                                        **self.kwargs, **extra)
+
+  def canonical(self, q, k, v, bias):
+    kw = {n: self.kwargs.get(n) for n in MASK_ARGS + ("scale",
+                                                      "logits_soft_cap")}
+    kw["is_causal"] = kw["is_causal"] or False
+    return _canonicalize(q, k, v, bias, self.mask, **kw)
+
+  def call_reference(self, q, k, v, bias, compute_dtype=None):
+    """(out, lse) of the exact reference, in the input layout."""
+    def run(q, k, v, bias):
+      call, unbatched = self.canonical(q, k, v, bias)
+      out, lse = reference.reference_attention(
+          call.query, call.key, call.value, call.bias, call.mask,
+          scale=call.scale, logits_soft_cap=call.logits_soft_cap,
+          compute_dtype=compute_dtype)
+      return (out[0], lse[0]) if unbatched else (out, lse)
+    return jax.jit(run)(q, k, v, bias)
+
+  def call_plain(self, q, k, v, bias):
+    """A plain materialized implementation in the input dtype, the way
+    ``jax.nn``'s ``xla`` path computes (logits in float32, probabilities
+    rounded to the input dtype before the value product)."""
+    def run(q, k, v, bias):
+      call, unbatched = self.canonical(q, k, v, bias)
+      out = plain_attention(call.query, call.key, call.value, call.bias,
+                            call.mask.visibility(), call.scale,
+                            call.logits_soft_cap)
+      return out[0] if unbatched else out
+    return jax.jit(run)(q, k, v, bias)
+
+
+def plain_attention(q, k, v, bias, visible, scale, cap):
+  dtype = q.dtype
+  groups = q.shape[2] // k.shape[2]
+  k = jnp.repeat(k, groups, axis=2)
+  v = jnp.repeat(v, groups, axis=2)
+  logits = jnp.einsum("btnh,bsnh->bnts", q, k,
+                      preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  if cap is not None:
+    logits = cap * jnp.tanh(logits / cap)
+  logits = jnp.where(visible, logits, -jnp.inf)
+  row_max = jnp.max(logits, -1, keepdims=True)
+  row_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
+  w = jnp.exp(logits - row_max)
+  total = w.sum(-1, keepdims=True)
+  probs = (w / jnp.where(total == 0, 1.0, total)).astype(dtype)
+  return jnp.einsum("bnts,bsnh->btnh", probs, v,
+                    preferred_element_type=jnp.float32).astype(dtype)
+
+
+def rel_err(x, ref) -> float:
+  x = np.asarray(jnp.asarray(x, jnp.float64) if jax.config.jax_enable_x64
+                 else jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(ref, np.float64)
+  denom = np.linalg.norm(ref)
+  return float(np.linalg.norm(x - ref) / (denom if denom > 0 else 1.0))
+
+
+def lse_err(x, ref) -> float:
+  """Max abs error on finite entries; inf if the -inf pattern differs."""
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(ref, np.float64)
+  if not np.array_equal(np.isneginf(x), np.isneginf(ref)):
+    return float("inf")
+  finite = np.isfinite(ref)
+  if not finite.any():
+    return 0.0
+  return float(np.max(np.abs(x[finite] - ref[finite])))
+
+
+def random_normal(rng: np.random.Generator, shape, dtype) -> jax.Array:
+  return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(
+      dtype)
+
+
+def random_segments(rng: np.random.Generator, batch: int, length: int,
+                    max_segments: int = 4) -> np.ndarray:
+  """Sorted (packed-document) segment ids ``[B, length]``."""
+  ids = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, max(length, 2)),
+                              size=min(max_segments - 1, max(length - 1, 0)),
+                              replace=False)) if length > 1 else []
+    for c in cuts:
+      ids[b, c:] += 1
+  return ids
+
+
+def grads_of(fn, case: Case, cotangent, argnums=(0, 1, 2)):
+  """Gradients of ``sum(fn(q, k, v, bias) * cotangent)``."""
+  def loss(*arrays):
+    out = fn(*arrays)
+    return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+  return jax.grad(loss, argnums=argnums)(*case.arrays)
+
+
+def high_precision_grads(case: Case, cotangent, argnums):
+  """Reference gradients on float32-upcast inputs."""
+  def fn(q, k, v, bias):
+    return case.call_reference(q, k, v, bias)[0]
+  up = Case(*(None if a is None else a.astype(jnp.promote_types(
+      a.dtype, jnp.float32)) for a in case.arrays), mask=case.mask,
+            kwargs=case.kwargs)
+  return jax.jit(lambda: grads_of(fn, up, cotangent, argnums))()
+
+
+__all__ = ["Case", "rel_err", "lse_err", "random_normal", "random_segments",
+           "grads_of", "high_precision_grads", "plain_attention"]

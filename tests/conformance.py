@@ -1,0 +1,294 @@
+"""The conformance suite every backend runs (subclass per backend).
+
+A backend's test class subclasses :class:`AttentionConformance`, sets
+``implementation`` (a name or a configured backend object) and the
+``supports_*`` flags.  Cases a backend does not support must raise
+``NotImplementedError`` when that backend is requested alone (checked by
+``test_unsupported_features_decline``); they never silently compute
+something else.
+
+Accuracy rules (FlashAttention's style):
+  * float32 inputs: relative error against the float32 reference under
+    ``F32_TOL`` for the output and every gradient.
+  * bfloat16/float16 inputs: error at most twice that of a plain
+    materialized implementation in the same dtype (``jax.nn``'s ``xla``
+    arithmetic), plus ``LOW_PRECISION_FLOOR``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from tests._support import (Case, grads_of, high_precision_grads, lse_err,
+                            random_normal, random_segments, rel_err)
+
+F32_TOL = 1e-5
+LOW_PRECISION_FLOOR = 2e-3
+
+FEATURES = ("plain", "causal", "window", "causal_window", "lengths",
+            "segments", "bias", "soft_cap", "mask", "scale", "combined")
+
+
+def new_rng() -> tuple[np.random.Generator, int]:
+  seed = int.from_bytes(os.urandom(4), "little")
+  return np.random.default_rng(seed), seed
+
+
+def build_case(rng: np.random.Generator, feature: str, *, dtype, batch=2,
+               q_len=77, kv_len=77, heads=4, kv_heads=2, head_dim=32,
+               bias_shape=None) -> Case:
+  """Random inputs (never zeros) exercising one feature (or all of them)."""
+  q = random_normal(rng, (batch, q_len, heads, head_dim), dtype)
+  k = random_normal(rng, (batch, kv_len, kv_heads, head_dim), dtype)
+  v = random_normal(rng, (batch, kv_len, kv_heads, head_dim), dtype)
+  case = Case(q, k, v)
+  kw: dict[str, Any] = {}
+  combined = feature == "combined"
+  if feature in ("causal", "causal_window") or combined:
+    kw["is_causal"] = True
+  if feature in ("window", "causal_window") or combined:
+    kw["local_window_size"] = (int(rng.integers(0, 20)),
+                               int(rng.integers(0, 20)))
+  if feature == "lengths" or combined:
+    kw["query_seq_lengths"] = jnp.asarray(
+        rng.integers(0, q_len + 1, batch), jnp.int32)
+    kw["key_value_seq_lengths"] = jnp.asarray(
+        rng.integers(1, kv_len + 1, batch), jnp.int32)
+  if feature == "segments" or combined:
+    q_ids = random_segments(rng, batch, q_len)
+    if q_len == kv_len and rng.random() < 0.5:
+      kw["segment_ids"] = jnp.asarray(q_ids)
+    else:
+      kw["segment_ids"] = (jnp.asarray(q_ids),
+                           jnp.asarray(random_segments(rng, batch, kv_len)))
+  if feature == "bias" or combined:
+    shape = bias_shape or (batch, 1, q_len, kv_len)
+    case.bias = random_normal(rng, shape, dtype)
+  if feature == "soft_cap" or combined:
+    kw["logits_soft_cap"] = float(rng.uniform(1.0, 4.0))
+    kw["scale"] = 1.0  # large logits so that the cap matters
+  if feature == "mask" or combined:
+    case.mask = jnp.asarray(rng.random((batch, heads, q_len, kv_len)) < 0.7)
+  if feature == "scale":
+    kw["scale"] = float(rng.uniform(0.05, 0.5))
+  case.kwargs = kw
+  return case
+
+
+class AttentionConformance:
+  """Shared conformance tests; subclasses pick the backend."""
+
+  implementation: Any = None
+  supports_bias = True
+  supports_dense_mask = True
+  supports_soft_cap = True
+  supports_segments = True
+  dtypes = (jnp.float32, jnp.bfloat16)
+  head_dims = (32, 64, 80, 128, 256)
+
+  # ---------------------------------------------------------------- core
+  def supported(self, case: Case, dtype) -> bool:
+    kw = case.kwargs
+    return ((self.supports_bias or case.bias is None)
+            and (self.supports_dense_mask or case.mask is None)
+            and (self.supports_soft_cap or "logits_soft_cap" not in kw)
+            and (self.supports_segments or "segment_ids" not in kw)
+            and dtype in self.dtypes)
+
+  def attention(self, case: Case):
+    def fn(q, k, v, bias):
+      return case.call_jflash(q, k, v, bias,
+                              implementation=self.implementation)
+    return fn
+
+  def check_case(self, case: Case, dtype, seed: int, check_grads=True):
+    if not self.supported(case, dtype):
+      pytest.skip("feature not supported by this backend")
+    info = f"seed={seed} kwargs={list(case.kwargs)} dtype={dtype.__name__}"
+    out, lse = jax.jit(lambda *a: case.call_jflash(
+        *a, implementation=self.implementation, return_residual=True))(
+            *case.arrays)
+    ref_out, ref_lse = case.call_reference(*case.arrays)
+    assert out.dtype == case.query.dtype and out.shape == case.query.shape
+    assert not np.isnan(np.asarray(out, np.float32)).any(), info
+    lse_error = lse_err(lse, ref_lse)
+    if dtype == jnp.float32:
+      assert rel_err(out, ref_out) < F32_TOL, info
+      assert lse_error < F32_TOL * max(1.0, float(np.nanmax(np.abs(
+          np.where(np.isfinite(ref_lse), ref_lse, 0))))), info
+    else:
+      plain = case.call_plain(*case.arrays)
+      bound = 2 * rel_err(plain, ref_out) + LOW_PRECISION_FLOOR
+      assert rel_err(out, ref_out) <= bound, info
+      assert lse_error < 2e-2 * max(1.0, float(np.nanmax(np.abs(
+          np.where(np.isfinite(ref_lse), ref_lse, 0))))), info
+    # Rows that see nothing are exact zeros.
+    dead = np.isneginf(np.asarray(ref_lse))
+    assert np.all(np.asarray(out, np.float32)[dead] == 0), info
+    if not check_grads:
+      return
+    rng = np.random.default_rng(seed + 1)
+    cot = random_normal(rng, out.shape, jnp.float32)
+    argnums = (0, 1, 2, 3) if case.bias is not None else (0, 1, 2)
+    got = jax.jit(lambda *a: grads_of(self.attention(case), Case(
+        *a, mask=case.mask, kwargs=case.kwargs), cot, argnums))(*case.arrays)
+    want = high_precision_grads(case, cot, argnums)
+    names = ("dq", "dk", "dv", "dbias")
+    if dtype == jnp.float32:
+      for name, g, w in zip(names, got, want):
+        assert g.dtype == case.arrays[names.index(name)].dtype
+        assert rel_err(g, w) < F32_TOL, f"{name} {info}"
+    else:
+      plain = grads_of(case.call_plain, case, cot, argnums)
+      for name, g, w, p in zip(names, got, want, plain):
+        bound = 2 * rel_err(p, w) + LOW_PRECISION_FLOOR
+        assert rel_err(g, w) <= bound, f"{name} {info}"
+
+  # --------------------------------------------------------------- tests
+  @pytest.mark.parametrize("feature", FEATURES)
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                           ids=["f32", "bf16"])
+  def test_feature(self, feature, dtype):
+    rng, seed = new_rng()
+    case = build_case(rng, feature, dtype=dtype)
+    self.check_case(case, dtype, seed)
+
+  @pytest.mark.parametrize("feature", ("causal", "window", "segments",
+                                       "combined"))
+  def test_feature_cross_attention(self, feature):
+    rng, seed = new_rng()
+    case = build_case(rng, feature, dtype=jnp.float32, q_len=45, kv_len=100)
+    self.check_case(case, jnp.float32, seed)
+
+  @pytest.mark.parametrize("q_len,kv_len", [(1, 1), (7, 7), (129, 129),
+                                            (1000, 1000), (7, 129), (129, 7),
+                                            (1, 1000)])
+  def test_sequence_lengths(self, q_len, kv_len):
+    rng, seed = new_rng()
+    feature = "causal" if q_len == kv_len else "plain"
+    case = build_case(rng, feature, dtype=jnp.float32, batch=1, heads=2,
+                      kv_heads=1, q_len=q_len, kv_len=kv_len)
+    self.check_case(case, jnp.float32, seed)
+
+  def test_sequence_lengths_bf16(self):
+    rng, seed = new_rng()
+    case = build_case(rng, "segments", dtype=jnp.bfloat16, batch=1, heads=2,
+                      kv_heads=2, q_len=300, kv_len=300)
+    self.check_case(case, jnp.bfloat16, seed)
+
+  @pytest.mark.parametrize("head_dim", (32, 64, 80, 128, 256))
+  def test_head_dims(self, head_dim):
+    if head_dim not in self.head_dims:
+      pytest.skip("head dim not supported")
+    rng, seed = new_rng()
+    case = build_case(rng, "causal", dtype=jnp.float32, batch=1, heads=2,
+                      kv_heads=2, head_dim=head_dim, q_len=70, kv_len=70)
+    self.check_case(case, jnp.float32, seed)
+
+  @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)],
+                           ids=["mha", "gqa", "mqa"])
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                           ids=["f32", "bf16"])
+  def test_head_groups(self, heads, kv_heads, dtype):
+    rng, seed = new_rng()
+    case = build_case(rng, "combined", dtype=dtype, heads=heads,
+                      kv_heads=kv_heads, q_len=50, kv_len=50)
+    self.check_case(case, dtype, seed)
+
+  @pytest.mark.parametrize("bias_shape", [(1, 1, 1, 64), (2, 4, 1, 1),
+                                          (1, 4, 40, 64), (2, 1, 40, 1)])
+  def test_bias_broadcasting(self, bias_shape):
+    rng, seed = new_rng()
+    case = build_case(rng, "bias", dtype=jnp.float32, heads=4, kv_heads=2,
+                      q_len=40, kv_len=64, bias_shape=bias_shape)
+    self.check_case(case, jnp.float32, seed)
+
+  def test_unbatched_inputs(self):
+    rng, seed = new_rng()
+    case = build_case(rng, "segments", dtype=jnp.float32, batch=1,
+                      q_len=33, kv_len=33)
+    ids = case.kwargs["segment_ids"]
+    case.kwargs["segment_ids"] = (ids[0] if not isinstance(ids, tuple)
+                                  else (ids[0][0], ids[1][0]))
+    case.kwargs["is_causal"] = True
+    case.query, case.key, case.value = (x[0] for x in case.arrays[:3])
+    self.check_case(case, jnp.float32, seed)
+
+  def test_logsumexp_gradient(self):
+    """The logsumexp is differentiable (``jax.nn`` stops its gradient)."""
+    rng, seed = new_rng()
+    case = build_case(rng, "causal_window", dtype=jnp.float32)
+    case.kwargs["local_window_size"] = (5, 0)
+    cot_out = random_normal(rng, case.query.shape, jnp.float32)
+    cot_lse = random_normal(rng, case.query.shape[:-1], jnp.float32)
+
+    def loss(fn):
+      def inner(q, k, v):
+        out, lse = fn(q, k, v)
+        return jnp.sum(out * cot_out) + jnp.sum(lse * cot_lse)
+      return jax.grad(inner, argnums=(0, 1, 2))(*case.arrays[:3])
+
+    got = loss(lambda q, k, v: case.call_jflash(
+        q, k, v, None, implementation=self.implementation,
+        return_residual=True))
+    want = loss(lambda q, k, v: case.call_reference(q, k, v, None))
+    for g, w in zip(got, want):
+      assert rel_err(g, w) < F32_TOL, f"seed={seed}"
+
+  def test_fully_masked_rows_are_zero(self):
+    rng, seed = new_rng()
+    case = build_case(rng, "lengths", dtype=jnp.float32)
+    case.kwargs["query_seq_lengths"] = jnp.asarray([0, 30], jnp.int32)
+    case.kwargs["key_value_seq_lengths"] = jnp.asarray([77, 0], jnp.int32)
+    out, lse = case.call_jflash(*case.arrays, return_residual=True,
+                                implementation=self.implementation)
+    assert np.all(np.asarray(out) == 0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+    grads = grads_of(self.attention(case), case,
+                     random_normal(rng, out.shape, jnp.float32))
+    for g in grads:
+      assert np.all(np.isfinite(np.asarray(g))) and np.all(
+          np.asarray(g) == 0), f"seed={seed}"
+
+  def test_deterministic(self):
+    rng, _ = new_rng()
+    case = build_case(rng, "combined", dtype=jnp.bfloat16)
+    cot = random_normal(rng, case.query.shape, jnp.float32)
+    run = jax.jit(lambda *a: (self.attention(case)(*a), grads_of(
+        self.attention(case), Case(*a, mask=case.mask, kwargs=case.kwargs),
+        cot, (0, 1, 2, 3))))
+    first = jax.tree.map(np.asarray, run(*case.arrays))
+    second = jax.tree.map(np.asarray, run(*case.arrays))
+    jax.tree.map(np.testing.assert_array_equal, first, second)
+
+  def test_nan_input_propagates(self):
+    rng, _ = new_rng()
+    case = build_case(rng, "causal", dtype=jnp.float32)
+    case.query = case.query.at[1, 20, 0, 3].set(jnp.nan)
+    out = case.call_jflash(*case.arrays, implementation=self.implementation)
+    out = np.asarray(out)
+    assert np.isnan(out[1, 20, 0]).all()
+    clean = np.ones(out.shape[:3], bool)
+    clean[1, 20, 0] = False
+    assert np.isfinite(out[clean]).all()
+
+  def test_unsupported_features_decline(self):
+    """What the backend cannot do raises NotImplementedError, never drops."""
+    rng, _ = new_rng()
+    flags = {"bias": self.supports_bias, "mask": self.supports_dense_mask,
+             "soft_cap": self.supports_soft_cap,
+             "segments": self.supports_segments}
+    for feature, ok in flags.items():
+      if ok:
+        continue
+      case = build_case(rng, feature, dtype=self.dtypes[0])
+      with pytest.raises(NotImplementedError):
+        case.call_jflash(*case.arrays, implementation=self.implementation)
+

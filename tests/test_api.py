@@ -1,0 +1,225 @@
+"""The public contract: input validation, dispatch, and equivalence with
+``jax.nn.dot_product_attention`` on every argument the two share."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash.backends import XlaBackend, XlaConfig
+from tests._support import random_normal, rel_err
+
+
+def _rng():
+  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def _qkv(rng, b=2, t=12, s=12, n=4, k=2, h=16, dtype=jnp.float32):
+  return (random_normal(rng, (b, t, n, h), dtype),
+          random_normal(rng, (b, s, k, h), dtype),
+          random_normal(rng, (b, s, k, h), dtype))
+
+
+# ---------------------------------------------------------------- errors
+def _bad_inputs():
+  rng = _rng()
+  q, k, v = _qkv(rng)
+  ids = jnp.zeros((2, 12), jnp.int32)
+  yield "head dim", dict(query=q[..., :8]), r"head dim"
+  yield "heads", dict(query=random_normal(rng, (2, 12, 3, 16), jnp.float32)), \
+      r"multiple of key/value heads"
+  yield "batch", dict(key=k[:1], value=v[:1]), r"batch"
+  yield "kv shape", dict(value=v[:, :5]), r"same shape"
+  yield "rank", dict(query=q[0, 0]), r"\[B, T, N, H\]"
+  yield "mixed rank", dict(query=q[0]), r"same rank"
+  yield "int query", dict(query=q.astype(jnp.int32)), r"query must have a floating"
+  yield "int key", dict(key=k.astype(jnp.int32), value=v.astype(jnp.int32)), \
+      r"key must have a floating"
+  yield "dtype mix", dict(key=k.astype(jnp.bfloat16),
+                          value=v.astype(jnp.bfloat16)), r"same dtype"
+  yield "segment shape", dict(segment_ids=ids[:, :5]), r"segment_ids"
+  yield "segment dtype", dict(segment_ids=ids.astype(jnp.float32)), \
+      r"segment_ids .* integer"
+  yield "segment pair", dict(segment_ids=(ids, ids, ids)), r"pair"
+  yield "segment T != S", dict(key=k[:, :7], value=v[:, :7],
+                               segment_ids=ids), r"T == S"
+  yield "window negative", dict(local_window_size=-1), r"local_window_size"
+  yield "window pair negative", dict(local_window_size=(3, -2)), \
+      r"local_window_size"
+  yield "window type", dict(local_window_size=(1.5, 2)), r"local_window_size"
+  yield "lengths shape", dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), \
+      r"query_seq_lengths"
+  yield "lengths dtype", dict(key_value_seq_lengths=jnp.ones((2,))), \
+      r"key_value_seq_lengths"
+  yield "mask dtype", dict(mask=jnp.ones((2, 1, 12, 12))), r"mask must be boolean"
+  yield "mask shape", dict(mask=jnp.ones((2, 3, 12, 12), bool)), \
+      r"mask must be broadcastable"
+  yield "bias shape", dict(bias=jnp.ones((2, 4, 12, 5))), \
+      r"bias must be broadcastable"
+  yield "bias rank", dict(bias=jnp.ones((1, 2, 4, 12, 12))), r"bias must have"
+  yield "bias int", dict(bias=jnp.ones((12, 12), jnp.int32)), r"bias must have"
+  yield "soft cap", dict(logits_soft_cap=0.0), r"logits_soft_cap"
+  yield "scale nan", dict(scale=float("nan")), r"scale"
+  yield "causal", dict(is_causal="yes"), r"is_causal"
+  yield "implementation", dict(implementation="flash"), r"unknown backend"
+  yield "implementation empty", dict(implementation=[]), r"implementation"
+  yield "implementation type", dict(implementation=3), r"implementation"
+  yield "residual", dict(return_residual=1), r"return_residual"
+
+
+@pytest.mark.parametrize("name,override,pattern", list(_bad_inputs()),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_input_raises_value_error(name, override, pattern):
+  rng = _rng()
+  q, k, v = _qkv(rng)
+  args = dict(query=q, key=k, value=v)
+  args.update(override)
+  with pytest.raises(ValueError, match=pattern):
+    jflash.dot_product_attention(**args)
+
+
+def test_traced_scale_is_rejected():
+  q, k, v = _qkv(_rng())
+  with pytest.raises(ValueError, match="scale must be a Python number"):
+    jax.jit(lambda s: jflash.dot_product_attention(q, k, v, scale=s))(0.5)
+
+
+def test_error_message_shows_received_shapes():
+  q, k, v = _qkv(_rng())
+  with pytest.raises(ValueError, match=r"\(2, 12, 4, 8\)"):
+    jflash.dot_product_attention(q[..., :8], k, v)
+
+
+# -------------------------------------------------------------- dispatch
+def test_default_order_per_platform():
+  assert jflash.default_order("cpu") == ("xla",)
+  assert jflash.default_order("gpu") == ("mosaic_gpu", "cudnn", "xla")
+  assert jflash.default_order("tpu") == ("mosaic_tpu", "xla")
+
+
+def test_unbuilt_kernels_decline_clearly():
+  q, k, v = _qkv(_rng())
+  for name in ("mosaic_gpu", "mosaic_tpu"):
+    with pytest.raises(NotImplementedError, match=name):
+      jflash.dot_product_attention(q, k, v, implementation=name)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU/TPU only")
+def test_cudnn_declines_off_gpu_and_sequence_falls_through():
+  q, k, v = _qkv(_rng(), dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="cudnn"):
+    jflash.dot_product_attention(q, k, v, implementation="cudnn")
+  out = jflash.dot_product_attention(q, k, v, implementation=("cudnn", "xla"))
+  want = jflash.dot_product_attention(q, k, v, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(want, np.float32))
+  assert jflash.selected_implementation(
+      q, k, v, implementation=["mosaic_gpu", "cudnn", "xla"]) == "xla"
+
+
+def test_error_lists_every_declining_backend():
+  q, k, v = _qkv(_rng())
+  with pytest.raises(NotImplementedError) as info:
+    jflash.dot_product_attention(q, k, v,
+                                 implementation=["mosaic_gpu", "mosaic_tpu"])
+  assert "mosaic_gpu" in str(info.value) and "mosaic_tpu" in str(info.value)
+
+
+def test_selected_implementation_on_this_platform():
+  q, k, v = _qkv(_rng())
+  name = jflash.selected_implementation(q, k, v, is_causal=True)
+  assert name in jflash.default_order()
+  if jax.default_backend() == "cpu":
+    assert name == "xla"
+
+
+def test_configured_backend_object():
+  rng = _rng()
+  q, k, v = _qkv(rng, t=40, s=40)
+  small = XlaBackend(XlaConfig(block_q=8, block_kv=8))
+  a = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                   implementation=small)
+  b = jflash.dot_product_attention(q, k, v, is_causal=True)
+  assert rel_err(a, b) < 1e-6
+  with pytest.raises(ValueError, match="block_q"):
+    XlaConfig(block_q=0)
+
+
+def test_empty_sequences():
+  rng = _rng()
+  q, k, v = _qkv(rng, s=12)
+  out, lse = jflash.dot_product_attention(q, k[:, :0], v[:, :0],
+                                          return_residual=True)
+  assert out.shape == q.shape and not np.asarray(out).any()
+  assert np.isneginf(np.asarray(lse)).all()
+  g = jax.grad(lambda q: jflash.dot_product_attention(q, k, v)[:, :0].sum())(q)
+  assert not np.asarray(g).any()
+
+
+# ---------------------------------------------------------- jax.nn parity
+def _jax_nn_cases():
+  yield "plain", {}, False, False
+  yield "causal", dict(is_causal=True), False, False
+  yield "window", dict(local_window_size=(3, 2)), False, False
+  yield "window int", dict(local_window_size=4), False, False
+  yield "causal window", dict(is_causal=True, local_window_size=(5, 0)), \
+      False, False
+  yield "lengths", "lengths", False, False
+  yield "scale", dict(scale=0.37), False, False
+  yield "bias", {}, True, False
+  yield "mask", {}, False, True
+  yield "everything", "everything", True, True
+
+
+@pytest.mark.parametrize("name,kwargs,use_bias,use_mask", list(_jax_nn_cases()),
+                         ids=[c[0] for c in _jax_nn_cases()])
+@pytest.mark.parametrize("t,s", [(20, 20), (13, 29)])
+def test_matches_jax_nn(name, kwargs, use_bias, use_mask, t, s):
+  rng = _rng()
+  q, k, v = _qkv(rng, t=t, s=s)
+  if kwargs in ("lengths", "everything"):
+    kwargs = dict(query_seq_lengths=jnp.asarray([t, t // 2], jnp.int32),
+                  key_value_seq_lengths=jnp.asarray([s, s // 3 + 1], jnp.int32))
+    if name == "everything":
+      kwargs.update(is_causal=True, local_window_size=(6, 1), scale=0.3)
+  bias = random_normal(rng, (1, 4, t, s), jnp.float32) if use_bias else None
+  mask = jnp.asarray(rng.random((2, 1, t, s)) < 0.8) if use_mask else None
+  # Rows that see nothing: jax.nn returns an average of the values there,
+  # jflash zeros (documented).  Compare the rows that see something.
+  live = np.asarray(jax.jit(lambda: jflash.dot_product_attention(
+      q, k, v, bias, mask, return_residual=True, **kwargs)[1])())
+  live = np.isfinite(live)
+  cot = random_normal(rng, q.shape, jnp.float32) * live[..., None]
+  argnums = (0, 1, 2, 3) if use_bias else (0, 1, 2)
+
+  def both(fn):
+    def loss(q, k, v, bias):
+      return jnp.sum(fn(q, k, v, bias, mask, **kwargs) * cot)
+    out, lse = fn(q, k, v, bias, mask, return_residual=True, **kwargs)
+    return out, lse, jax.grad(loss, argnums)(q, k, v, bias)
+
+  ours, our_lse, ours_g = jax.jit(lambda: both(
+      jflash.dot_product_attention))()
+  theirs, their_lse, theirs_g = jax.jit(lambda: both(
+      lambda *a, **kw: jax.nn.dot_product_attention(
+          *a, implementation="xla", **kw)))()
+  assert our_lse.dtype == their_lse.dtype and ours.dtype == theirs.dtype
+  np.testing.assert_allclose(np.asarray(ours)[live], np.asarray(theirs)[live],
+                             rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(our_lse)[live],
+                             np.asarray(their_lse)[live], rtol=2e-5, atol=2e-5)
+  for a, b in zip(ours_g, theirs_g):
+    assert rel_err(a, b) < 2e-5
+
+
+def test_matches_jax_nn_unbatched():
+  rng = _rng()
+  q, k, v = _qkv(rng, b=1)
+  q, k, v = q[0], k[0], v[0]
+  ours = jflash.dot_product_attention(q, k, v, is_causal=True)
+  theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  assert ours.shape == theirs.shape == q.shape
+  assert rel_err(ours, theirs) < 1e-5

@@ -1,0 +1,217 @@
+"""The shared mask module against brute force written independently here."""
+
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jflash import masks
+from tests._support import random_segments
+
+
+# Jitted once per shape instead of dispatching op by op.
+tile_classes = jax.jit(masks.tile_classes, static_argnums=(1, 2))
+visibility = jax.jit(lambda m: m.visibility())
+
+
+def brute_visibility(batch, q_len, kv_len, is_causal=False, window=None,
+                     q_lengths=None, kv_lengths=None, q_ids=None, kv_ids=None,
+                     dense=None):
+  """Plain Python loops over the documented rule: ``[B, N|1, T, S]``."""
+  heads = 1 if dense is None else dense.shape[1]
+  out = np.zeros((batch, heads, q_len, kv_len), bool)
+  for b, n, t, s in itertools.product(range(batch), range(heads),
+                                      range(q_len), range(kv_len)):
+    ok = True
+    if is_causal and s > t:
+      ok = False
+    if window is not None and not (t - window[0] <= s <= t + window[1]):
+      ok = False
+    if q_lengths is not None and t >= q_lengths[b]:
+      ok = False
+    if kv_lengths is not None and s >= kv_lengths[b]:
+      ok = False
+    if q_ids is not None and q_ids[b, t] != kv_ids[b, s]:
+      ok = False
+    if dense is not None:
+      d = dense[b % dense.shape[0], n % dense.shape[1], t % dense.shape[2],
+                s % dense.shape[3]]
+      ok = ok and bool(d)
+    out[b, n, t, s] = ok
+  return out
+
+
+def random_mask(rng, batch, q_len, kv_len, *, causal, window, lengths,
+                segments, dense, sorted_segments=True):
+  kw = dict(is_causal=causal)
+  if window:
+    kw["window"] = (int(rng.integers(0, q_len)), int(rng.integers(0, kv_len)))
+  if lengths:
+    kw["q_lengths"] = rng.integers(0, q_len + 1, batch).astype(np.int32)
+    kw["kv_lengths"] = rng.integers(0, kv_len + 1, batch).astype(np.int32)
+  if segments:
+    if sorted_segments:
+      kw["q_ids"] = random_segments(rng, batch, q_len)
+      kw["kv_ids"] = random_segments(rng, batch, kv_len)
+    else:
+      kw["q_ids"] = rng.integers(0, 3, (batch, q_len)).astype(np.int32)
+      kw["kv_ids"] = rng.integers(0, 3, (batch, kv_len)).astype(np.int32)
+  if dense:
+    kw["dense"] = rng.random((1, 2, q_len, kv_len)) < 0.9
+  mask = masks.AttentionMask(
+      batch=batch, q_len=q_len, kv_len=kv_len, is_causal=causal,
+      window=kw.get("window"),
+      q_lengths=None if not lengths else jnp.asarray(kw["q_lengths"]),
+      kv_lengths=None if not lengths else jnp.asarray(kw["kv_lengths"]),
+      q_segment_ids=None if not segments else jnp.asarray(kw["q_ids"]),
+      kv_segment_ids=None if not segments else jnp.asarray(kw["kv_ids"]),
+      dense=None if not dense else jnp.asarray(kw["dense"]))
+  return mask, brute_visibility(batch, q_len, kv_len, **kw)
+
+
+def brute_tile_classes(vis, block_q, block_kv):
+  """EMPTY/PARTIAL/FULL per tile from the element mask (padding hidden)."""
+  batch, _, q_len, kv_len = vis.shape
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+  padded = np.zeros((batch, vis.shape[1], nq * block_q, nk * block_kv), bool)
+  padded[:, :, :q_len, :kv_len] = vis
+  tiles = padded.reshape(batch, vis.shape[1], nq, block_q, nk, block_kv)
+  anyv = tiles.any(axis=(1, 3, 5))
+  allv = tiles.all(axis=(1, 3, 5))
+  return np.where(anyv, np.where(allv, masks.FULL, masks.PARTIAL), masks.EMPTY)
+
+
+COMBOS = [dict(causal=c, window=w, lengths=l, segments=s, dense=d)
+          for c, w, l, s, d in itertools.product([False, True], repeat=5)]
+
+
+def _seeded():
+  seed = int.from_bytes(os.urandom(4), "little")
+  return np.random.default_rng(seed), seed
+
+
+@pytest.mark.parametrize("combo", COMBOS,
+                         ids=lambda c: "-".join(k for k, v in c.items() if v)
+                         or "none")
+def test_element_visibility_matches_brute_force(combo):
+  rng, seed = _seeded()
+  batch, q_len, kv_len = 2, int(rng.integers(1, 24)), int(rng.integers(1, 24))
+  mask, want = random_mask(rng, batch, q_len, kv_len, **combo)
+  got = np.asarray(visibility(mask))
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want,
+                                err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("combo", COMBOS,
+                         ids=lambda c: "-".join(k for k, v in c.items() if v)
+                         or "none")
+def test_tile_classes(combo):
+  """Empty tiles hide every pair and full tiles show every pair; for the
+  structural rules (causal, window, lengths) the classification is exact, and
+  so is emptiness for sorted segments alone."""
+  rng, seed = _seeded()
+  for _ in range(3):
+    batch = 2
+    q_len, kv_len = int(rng.integers(1, 70)), int(rng.integers(1, 70))
+    block_q, block_kv = int(rng.integers(1, 17)), int(rng.integers(1, 17))
+    mask, vis = random_mask(rng, batch, q_len, kv_len, **combo)
+    got = np.asarray(tile_classes(mask, block_q, block_kv))
+    want = brute_tile_classes(vis, block_q, block_kv)
+    info = (f"seed={seed} T={q_len} S={kv_len} blocks={block_q},{block_kv} "
+            f"window={mask.window}")
+    # Never wrong in the unsafe direction.
+    assert not np.any((got == masks.EMPTY) & (want != masks.EMPTY)), info
+    assert not np.any((got == masks.FULL) & (want != masks.FULL)), info
+    others = combo["causal"] or combo["window"] or combo["lengths"]
+    if not combo["dense"] and not (combo["segments"] and others):
+      # Structural rules alone, or sorted (contiguous) segments alone:
+      # exact emptiness.  (Combined, each part is exact on its own but
+      # their intersection inside one tile may be empty.)
+      np.testing.assert_array_equal(got == masks.EMPTY, want == masks.EMPTY,
+                                    err_msg=info)
+    if not combo["dense"] and not combo["segments"]:
+      np.testing.assert_array_equal(got, want, err_msg=info)
+
+
+def test_unsorted_segments_are_conservative():
+  rng, seed = _seeded()
+  mask, vis = random_mask(rng, 2, 40, 40, causal=False, window=False,
+                          lengths=False, segments=True, dense=False,
+                          sorted_segments=False)
+  got = np.asarray(tile_classes(mask, 8, 8))
+  want = brute_tile_classes(vis, 8, 8)
+  assert not np.any((got == masks.EMPTY) & (want != masks.EMPTY)), seed
+  assert not np.any((got == masks.FULL) & (want != masks.FULL)), seed
+
+
+def test_causal_window_tile_count():
+  """Causal + window at a known geometry visits the expected tiles."""
+  seq, block, left = 256, 32, 40
+  mask = masks.AttentionMask(batch=1, q_len=seq, kv_len=seq, is_causal=True,
+                             window=(left, left))
+  sched = masks.tile_schedule(mask, block, block)
+  # Query block i sees key blocks from floor((32 i - 40) / 32) to i.
+  expected = sum(i - max(0, (block * i - left) // block) + 1
+                 for i in range(seq // block))
+  assert int(sched.visited_tiles) == expected
+  nq = seq // block
+  assert int((sched.classes == masks.FULL).sum()) < expected < nq * nq
+
+
+def test_schedule_orders_list_nonempty_tiles_first():
+  rng, seed = _seeded()
+  mask, _ = random_mask(rng, 3, 50, 60, causal=True, window=True,
+                        lengths=True, segments=True, dense=False)
+  sched = jax.tree.map(np.asarray, jax.jit(
+      masks.tile_schedule, static_argnums=(1, 2))(mask, 8, 16))
+  classes = sched.classes
+  for b in range(3):
+    for qi in range(classes.shape[1]):
+      n = int(sched.kv_count[b, qi])
+      visited = np.asarray(sched.kv_order[b, qi, :n])
+      np.testing.assert_array_equal(
+          visited, np.flatnonzero(classes[b, qi] != masks.EMPTY), str(seed))
+    for ki in range(classes.shape[2]):
+      n = int(sched.q_count[b, ki])
+      np.testing.assert_array_equal(
+          np.asarray(sched.q_order[b, ki, :n]),
+          np.flatnonzero(classes[b, :, ki] != masks.EMPTY), str(seed))
+  merged = masks.tile_schedule(mask, 8, 16, merge_batch=True)
+  assert merged.classes.shape[0] == 1
+  np.testing.assert_array_equal(
+      np.asarray(merged.classes[0] != masks.EMPTY),
+      (classes != masks.EMPTY).any(0))
+
+
+def test_rows_with_visible_keys():
+  rng, seed = _seeded()
+  mask, vis = random_mask(rng, 2, 30, 20, causal=True, window=True,
+                          lengths=True, segments=False, dense=False)
+  np.testing.assert_array_equal(np.asarray(mask.rows_with_visible_keys()),
+                                vis.any(axis=(1, 3)), err_msg=str(seed))
+  with pytest.raises(ValueError):
+    random_mask(rng, 1, 4, 4, causal=False, window=False, lengths=False,
+                segments=True, dense=False)[0].rows_with_visible_keys()
+
+
+def test_tile_classes_under_jit_with_traced_lengths():
+  mask = masks.AttentionMask(batch=1, q_len=64, kv_len=64,
+                             kv_lengths=jnp.asarray([20], jnp.int32))
+  f = jax.jit(lambda m: masks.tile_classes(m, 16, 16))
+  got = np.asarray(f(mask))
+  assert (got[0, :, 2:] == masks.EMPTY).all()
+  assert (got[0, :, 0] == masks.FULL).all()
+  assert (got[0, :, 1] == masks.PARTIAL).all()
+
+
+def test_invalid_mask_construction():
+  with pytest.raises(ValueError, match="window"):
+    masks.AttentionMask(batch=1, q_len=4, kv_len=4, window=(-1, 2))
+  with pytest.raises(ValueError, match="segment"):
+    masks.AttentionMask(batch=1, q_len=4, kv_len=4,
+                        q_segment_ids=jnp.zeros((1, 4), jnp.int32))
+  with pytest.raises(ValueError, match="block"):
+    masks.tile_classes(masks.AttentionMask(batch=1, q_len=4, kv_len=4), 0, 4)
