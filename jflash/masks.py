@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Array = jax.Array
 
@@ -106,24 +107,32 @@ class AttentionMask:
       offsets.append(self.window[1])
     return min(offsets) if offsets else None
 
-  def _row_bounds(self, b: Array | int, q_idx: Array) -> tuple[Array, Array]:
-    """Visible key interval ``[lo, hi)`` of each query row from the structural
-    part (causal, window, lengths, sequence bounds).  Empty rows get lo >= hi."""
+  def _per_row(self, x: Array | None, ndim: int) -> Array | None:
+    """``[B]`` -> ``[B, 1, ...]`` with ``ndim`` dims (None stays None)."""
+    return None if x is None else x.reshape((-1,) + (1,) * (ndim - 1))
+
+  def _row_bounds(self, q_idx: Array) -> tuple[Array, Array]:
+    """Visible key interval ``[lo, hi)`` of query rows from the structural
+    part (causal, window, lengths, sequence bounds).
+
+    ``q_idx`` has a leading batch axis of size 1 or ``B``; the result
+    broadcasts it against the lengths.  Empty rows get ``lo >= hi``.
+    """
     q_idx = jnp.asarray(q_idx, jnp.int32)
     lo = jnp.zeros_like(q_idx)
     if self.window is not None:
       lo = jnp.maximum(lo, q_idx - self.window[0])
     hi = jnp.full_like(q_idx, self.kv_len)
     if self.kv_lengths is not None:
-      hi = jnp.minimum(hi, self.kv_lengths[b])
+      hi = jnp.minimum(hi, self._per_row(self.kv_lengths, q_idx.ndim))
     right = self._right_offset()
     if right is not None:
       hi = jnp.minimum(hi, q_idx + right + 1)
     q_valid = q_idx < self.q_len
     if self.q_lengths is not None:
-      q_valid &= q_idx < self.q_lengths[b]
-    hi = jnp.where(q_valid, hi, lo)
-    return lo, hi
+      q_valid &= q_idx < self._per_row(self.q_lengths, q_idx.ndim)
+    lo, hi = jnp.broadcast_arrays(lo, hi)
+    return lo, jnp.where(q_valid, hi, lo)
 
   def has_structural_part_only(self) -> bool:
     """True when only causal/window/lengths are set (no segments, no dense)."""
@@ -138,96 +147,105 @@ class AttentionMask:
     if not self.has_structural_part_only():
       raise ValueError("rows_with_visible_keys covers causal, window and "
                        "lengths only")
-    q_idx = jnp.arange(self.q_len, dtype=jnp.int32)
-    lo, hi = jax.vmap(lambda b: self._row_bounds(b, q_idx))(
-        jnp.arange(self.batch))
-    return lo < hi
+    lo, hi = self._row_bounds(jnp.arange(self.q_len, dtype=jnp.int32)[None])
+    return jnp.broadcast_to(lo < hi, (self.batch, self.q_len))
+
+  def padded(self, q_size: int, kv_size: int) -> "AttentionMask":
+    """The same mask with its per-position arrays padded to ``q_size`` query
+    and ``kv_size`` key positions, so that :meth:`block_visibility` can cut
+    any tile of a tiling that covers them.  Padded positions stay hidden
+    (they lie past ``T`` / ``S``)."""
+    def pad(x, axis, size):
+      if x is None or x.shape[axis] in (1, size):
+        return x
+      widths = [(0, 0)] * x.ndim
+      widths[axis] = (0, size - x.shape[axis])
+      return jnp.pad(x, widths)
+    return dataclasses.replace(
+        self, q_segment_ids=pad(self.q_segment_ids, 1, q_size),
+        kv_segment_ids=pad(self.kv_segment_ids, 1, kv_size),
+        dense=pad(pad(self.dense, 2, q_size), 3, kv_size))
 
   # -------------------------------------------------------------- elements
-  def block_visibility(self, b: Array | int, q_start: Array | int, block_q: int,
+  def block_visibility(self, q_start: Array | int, block_q: int,
                        kv_start: Array | int, block_kv: int) -> Array:
-    """Visibility of one tile of one batch row.
+    """Visibility of one tile, for every batch row.
 
     Args:
-      b: batch row (may be traced).
       q_start, kv_start: first query / key position of the tile (may be
-        traced; positions past ``T`` / ``S`` are invisible).
+        traced).  Positions past ``T`` / ``S`` are hidden; the mask's arrays
+        must cover the tile (see :meth:`padded`).
       block_q, block_kv: static tile sizes.
 
     Returns:
-      bool ``[N|1, block_q, block_kv]``; the leading axis is ``N`` only when a
-      dense mask with a head axis is present.
+      bool ``[B|1, N|1, block_q, block_kv]``: the batch axis is 1 when no
+      rule depends on the batch row, the head axis is ``N`` only for a dense
+      mask with a head axis.  Only slices along the sequence axes are taken,
+      so arrays sharded over batch or heads stay sharded.
     """
     q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
     k_idx = kv_start + jnp.arange(block_kv, dtype=jnp.int32)
-    lo, hi = self._row_bounds(b, q_idx)
-    vis = (k_idx[None, :] >= lo[:, None]) & (k_idx[None, :] < hi[:, None])
+    lo, hi = self._row_bounds(q_idx[None])  # [B|1, bq]
+    vis = ((k_idx[None, None, :] >= lo[..., None])
+           & (k_idx[None, None, :] < hi[..., None]))
     if self.q_segment_ids is not None:
-      q_seg = jnp.take(self.q_segment_ids[b], q_idx, mode="clip")
-      k_seg = jnp.take(self.kv_segment_ids[b], k_idx, mode="clip")
-      vis &= q_seg[:, None] == k_seg[None, :]
-    vis = vis[None]
+      q_seg = lax.dynamic_slice_in_dim(self.q_segment_ids, q_start, block_q, 1)
+      k_seg = lax.dynamic_slice_in_dim(self.kv_segment_ids, kv_start,
+                                       block_kv, 1)
+      vis = vis & (q_seg[:, :, None] == k_seg[:, None, :])
+    vis = vis[:, None]
     if self.dense is not None:
-      vis = vis & self._dense_block(b, q_idx, k_idx)
+      dense = self.dense
+      if dense.shape[2] > 1:
+        dense = lax.dynamic_slice_in_dim(dense, q_start, block_q, 2)
+      if dense.shape[3] > 1:
+        dense = lax.dynamic_slice_in_dim(dense, kv_start, block_kv, 3)
+      vis = vis & dense
     return vis
-
-  def _dense_block(self, b: Array | int, q_idx: Array, k_idx: Array) -> Array:
-    dense = self.dense
-    row = dense[b if dense.shape[0] > 1 else 0]  # [N|1, T|1, S|1]
-    if row.shape[1] > 1:
-      row = jnp.take(row, q_idx, axis=1, mode="clip")
-    if row.shape[2] > 1:
-      row = jnp.take(row, k_idx, axis=2, mode="clip")
-    return row
 
   def visibility(self) -> Array:
     """The whole mask, ``[B, N|1, T, S]`` bool.  Quadratic: reference only."""
-    return jax.vmap(lambda b: self.block_visibility(
-        b, 0, self.q_len, 0, self.kv_len))(jnp.arange(self.batch))
+    vis = self.block_visibility(0, self.q_len, 0, self.kv_len)
+    return jnp.broadcast_to(vis, (self.batch,) + vis.shape[1:])
 
 
 # ------------------------------------------------------------------- tiles
 def _structural_classes(mask: AttentionMask, block_q: int, block_kv: int,
                         num_q: int, num_kv: int) -> tuple[Array, Array]:
-  """Nonempty and full flags ``[B, nq, nk]`` from causal/window/lengths.
+  """Nonempty and full flags ``[B|1, nq, nk]`` from causal/window/lengths.
 
   The visible width of a row inside a tile, ``f(t) = min(hi(t), k1) -
   max(lo(t), k0)``, is concave and piecewise linear in ``t`` (both interval
   ends are nondecreasing with slope 0 or 1), so its maximum over the tile's
   rows is attained at a tile end or at one of the breakpoints below.
   """
-  q0 = (jnp.arange(num_q, dtype=jnp.int32) * block_q)[:, None]  # [nq, 1]
-  k0 = (jnp.arange(num_kv, dtype=jnp.int32) * block_kv)[None, :]  # [1, nk]
+  q0 = (jnp.arange(num_q, dtype=jnp.int32) * block_q)[None, :, None]
+  k0 = (jnp.arange(num_kv, dtype=jnp.int32) * block_kv)[None, None, :]
   k1 = k0 + block_kv
   q_last = q0 + block_q - 1
   right = mask._right_offset()
-
-  def per_batch(b):
-    q_limit = jnp.asarray(mask.q_len, jnp.int32)
-    if mask.q_lengths is not None:
-      q_limit = jnp.minimum(q_limit, mask.q_lengths[b])
-    kv_limit = jnp.asarray(mask.kv_len, jnp.int32)
-    if mask.kv_lengths is not None:
-      kv_limit = jnp.minimum(kv_limit, mask.kv_lengths[b])
-    valid_last = jnp.minimum(q_last, q_limit - 1)  # last valid row in tile
-    candidates = [q0, valid_last]
-    if right is not None:
-      candidates += [k1 - right - 1, kv_limit - right - 1]
-    if mask.window is not None:
-      candidates += [k0 + mask.window[0],
-                     jnp.full_like(q0, mask.window[0])]
-    width = jnp.full(q0.shape[:1] + k0.shape[1:], -1, jnp.int32)
-    for cand in candidates:
-      t = jnp.clip(cand, q0, jnp.maximum(valid_last, q0))
-      lo, hi = mask._row_bounds(b, t)
-      width = jnp.maximum(width, jnp.minimum(hi, k1) - jnp.maximum(lo, k0))
-    nonempty = (width > 0) & (valid_last >= q0)
-    lo_last, _ = mask._row_bounds(b, q_last)
-    _, hi_first = mask._row_bounds(b, q0)
-    full = (q_last < q_limit) & (lo_last <= k0) & (hi_first >= k1)
-    return nonempty, full
-
-  return jax.vmap(per_batch)(jnp.arange(mask.batch))
+  q_limit = jnp.full((1, 1, 1), mask.q_len, jnp.int32)
+  if mask.q_lengths is not None:
+    q_limit = jnp.minimum(q_limit, mask._per_row(mask.q_lengths, 3))
+  kv_limit = jnp.full((1, 1, 1), mask.kv_len, jnp.int32)
+  if mask.kv_lengths is not None:
+    kv_limit = jnp.minimum(kv_limit, mask._per_row(mask.kv_lengths, 3))
+  valid_last = jnp.minimum(q_last, q_limit - 1)  # last valid row per tile
+  candidates = [q0, valid_last]
+  if right is not None:
+    candidates += [k1 - right - 1, kv_limit - right - 1]
+  if mask.window is not None:
+    candidates += [k0 + mask.window[0], jnp.full_like(q0, mask.window[0])]
+  width = jnp.full((1, num_q, num_kv), -1, jnp.int32)
+  for cand in candidates:
+    t = jnp.clip(cand, q0, jnp.maximum(valid_last, q0))
+    lo, hi = mask._row_bounds(t)
+    width = jnp.maximum(width, jnp.minimum(hi, k1) - jnp.maximum(lo, k0))
+  nonempty = (width > 0) & (valid_last >= q0)
+  lo_last, _ = mask._row_bounds(q_last)
+  _, hi_first = mask._row_bounds(q0)
+  full = (q_last < q_limit) & (lo_last <= k0) & (hi_first >= k1)
+  return nonempty, full
 
 
 def _block_min_max(ids: Array, block: int, num: int) -> tuple[Array, Array]:
@@ -297,6 +315,9 @@ def tile_classes(mask: AttentionMask, block_q: int, block_kv: int) -> Array:
   for part_nonempty, part_full in parts:
     nonempty &= part_nonempty
     full &= part_full
+  shape = (mask.batch, num_q, num_kv)
+  nonempty = jnp.broadcast_to(nonempty, shape)
+  full = jnp.broadcast_to(full, shape)
   return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(
       jnp.int8)
 

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jflash
 from tests._support import (Case, grads_of, high_precision_grads, lse_err,
                             random_normal, random_segments, rel_err)
 

@@ -1,15 +1,8 @@
 """The conformance suite on the ``xla`` backend, with small tiles so that
 every case spans many of them (and once with the default tiling)."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-
-import jflash
 from jflash.backends import XlaBackend, XlaConfig
 from tests import conformance
-from tests._support import random_normal
 
 
 class TestXlaSmallTiles(conformance.AttentionConformance):

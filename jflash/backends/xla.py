@@ -109,10 +109,9 @@ class _Tiles:
 
   def __init__(self, q, k, v, bias, mask: masks.AttentionMask, plan: _Plan):
     self.plan = plan
-    self.mask = mask
     self.num_kv_heads = k.shape[2]
-    self.batch = q.shape[0]
     tq, tk = plan.num_q * plan.block_q, plan.num_kv * plan.block_kv
+    self.mask = mask.padded(tq, tk)
     self.q = _pad_axis(q, 1, tq)
     self.k = _pad_axis(k, 1, tk)
     self.v = _pad_axis(v, 1, tk)
@@ -169,9 +168,8 @@ class _Tiles:
       cap = jnp.asarray(plan.soft_cap, s.dtype)
       tanh = jnp.tanh(s / cap)
       s = cap * tanh
-    visible = jax.vmap(lambda b: self.mask.block_visibility(
-        b, qi * plan.block_q, plan.block_q, ki * plan.block_kv,
-        plan.block_kv))(jnp.arange(self.batch))
+    visible = self.mask.block_visibility(qi * plan.block_q, plan.block_q,
+                                         ki * plan.block_kv, plan.block_kv)
     s = jnp.where(_split_heads(visible, self.num_kv_heads), s, -jnp.inf)
     return s, tanh
 
@@ -179,9 +177,6 @@ class _Tiles:
 def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
   tiles = _Tiles(q, k, v, bias, mask, plan)
   batch, _, num_heads, head_dim = q.shape
-  num_kv_heads = k.shape[2]
-  stat_shape = (batch, num_kv_heads, num_heads // num_kv_heads, plan.block_q)
-  cdt = plan.compute_dtype
 
   def q_block(qi):
     qb = tiles.rows(tiles.q, qi)
@@ -200,15 +195,18 @@ def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
           "bkgqs,bskh->bkgqh", p, vb, precision=_HIGHEST)
       return m_new, l, acc
 
-    init = (jnp.full(stat_shape, -jnp.inf, cdt), jnp.zeros(stat_shape, cdt),
-            jnp.zeros(stat_shape + (head_dim,), cdt))
+    # Built from qb so that they carry its sharding (explicit-sharding mode
+    # needs loop carries typed like the values the body produces).
+    acc0 = jnp.zeros_like(jnp.moveaxis(qb, 1, 3))  # [B, K, G, bq, H]
+    init = (jnp.full_like(acc0[..., 0], -jnp.inf), jnp.zeros_like(acc0[..., 0]),
+            acc0)
     m, l, acc = lax.fori_loop(0, sched.kv_count[0, qi], body, init)
     empty = l == 0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
     return _merge_heads(out), _merge_heads(lse)
 
-  out, lse = lax.map(q_block, jnp.arange(plan.num_q))
+  out, lse = lax.map(q_block, jnp.arange(plan.num_q, dtype=jnp.int32))
   # [nq, B, bq, N, ...] -> [B, T, N, ...]
   out = jnp.moveaxis(out, 0, 1).reshape(batch, -1, num_heads, head_dim)
   lse = jnp.moveaxis(lse, 0, 1).reshape(batch, -1, num_heads)
@@ -227,7 +225,6 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
               plan: _Plan):
   tiles = _Tiles(q, k, v, bias, mask, plan)
   cdt = plan.compute_dtype
-  num_kv_heads = k.shape[2]
   tq = plan.num_q * plan.block_q
   # delta_i = sum_h dO_ih O_ih - dlse_i: the row term of the softmax
   # derivative, including the logsumexp's own cotangent.
@@ -269,17 +266,20 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
         merged = ds.reshape(ds.shape[0], -1, *ds.shape[3:])  # [B, N, bq, bk]
         window = tiles.bias_slice(dbias, qi, ki)
         update = window + _reduce_to(merged, window.shape)
-        starts = (0, 0, qi * plan.block_q if dbias.shape[2] > 1 else 0,
-                  ki * plan.block_kv if dbias.shape[3] > 1 else 0)
+        zero = jnp.zeros((), jnp.int32)
+        starts = (zero, zero,
+                  qi * plan.block_q if dbias.shape[2] > 1 else zero,
+                  ki * plan.block_kv if dbias.shape[3] > 1 else zero)
         dbias = lax.dynamic_update_slice(dbias, update, starts)
       return dq, dbias
 
     dq, dbias = lax.fori_loop(0, sched.kv_count[0, qi], body,
                               (jnp.zeros_like(qb), dbias))
-    return dbias, dq * scale
+    dq = dq * scale
+    return dbias, dq.reshape(dq.shape[:2] + (-1, dq.shape[-1]))
 
-  dbias, dq = lax.scan(dq_block, dbias0, jnp.arange(plan.num_q))
-  dq = jnp.moveaxis(dq, 0, 1).reshape(tiles.q.shape)[:, :q.shape[1]]
+  dbias, dq = lax.scan(dq_block, dbias0, jnp.arange(plan.num_q, dtype=jnp.int32))
+  dq = jnp.moveaxis(dq, 0, 1).reshape(tiles.q.shape)[:, :q.shape[1]]  # [B,T,N,H]
 
   # Pass 2: dK and dV, one key block at a time; the query-head group of
   # each key/value head is summed inside the einsums.
@@ -299,7 +299,7 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
                            (jnp.zeros_like(kb), jnp.zeros_like(vb)))
     return dk * scale, dv
 
-  dk, dv = lax.map(dkv_block, jnp.arange(plan.num_kv))
+  dk, dv = lax.map(dkv_block, jnp.arange(plan.num_kv, dtype=jnp.int32))
   kv_len = k.shape[1]
   dk = jnp.moveaxis(dk, 0, 1).reshape(tiles.k.shape)[:, :kv_len]
   dv = jnp.moveaxis(dv, 0, 1).reshape(tiles.v.shape)[:, :kv_len]

@@ -1,0 +1,205 @@
+"""``MultiHeadAttention`` for Flax Linen, computed by jflash.
+
+A drop-in for ``flax.linen.MultiHeadDotProductAttention``: the same
+constructor fields and the same parameter tree (``query``, ``key``,
+``value``, ``out`` and, with ``normalize_qk``, ``query_ln`` / ``key_ln``), so
+checkpoints load either way; the same ``decode`` cache variables
+(``cached_key``, ``cached_value``, ``cache_index``).  Attention goes through
+:func:`jflash.flax.attention_fn`, so dropout and ``sow_weights`` fall back to
+Flax's own attention with a warning (see that module's docstring).
+
+Decode steps express cache occupancy as ``key_value_seq_lengths`` (a dense
+mask row only for a local window, or when Flax's fallback runs) and match
+the non-decode causal output token by token.  A query row that sees no key
+outputs zeros before the ``out`` projection (Flax: the mean of the values).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jflash.flax.attention_fn import (attention_fn, decode_visibility,
+                                      fallback_reason)
+
+Array = jax.Array
+
+
+class MultiHeadAttention(nn.MultiHeadDotProductAttention):
+  """Multi-head attention with jflash kernels.
+
+  Every field of ``flax.linen.MultiHeadDotProductAttention``, plus:
+
+  Attributes:
+    implementation: jflash backend choice (see
+      :func:`jflash.dot_product_attention`); None picks the best.
+    local_window_size: ``(left, right)`` or one int: query ``t`` sees keys
+      ``t - left .. t + right``.
+    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+
+  ``attention_fn`` must stay the default: this module exists to run jflash.
+  """
+
+  implementation: str | Sequence[Any] | None = None
+  local_window_size: int | tuple[int, int] | None = None
+  logits_soft_cap: float | None = None
+
+  @nn.compact
+  def __call__(  # type: ignore[override]
+      self,
+      inputs_q: Array,
+      inputs_k: Array | None = None,
+      inputs_v: Array | None = None,
+      *,
+      inputs_kv: Array | None = None,
+      mask: Array | None = None,
+      deterministic: bool | None = None,
+      dropout_rng: Array | None = None,
+      sow_weights: bool = False,
+      is_causal: bool = False,
+      segment_ids: Array | tuple[Array, Array] | None = None,
+      query_seq_lengths: Array | None = None,
+      key_value_seq_lengths: Array | None = None,
+  ) -> Array:
+    """Projects the inputs, attends with jflash, projects back.
+
+    Args:
+      inputs_q: ``[batch..., T, F]``.
+      inputs_k: ``[batch..., S, F]``; defaults to ``inputs_q``.
+      inputs_v: ``[batch..., S, F]``; defaults to ``inputs_k``.
+      inputs_kv: deprecated alias for ``inputs_k = inputs_v``.
+      mask: broadcastable to ``[batch..., N, T, S]``, visible where nonzero.
+      deterministic: disables dropout (merged with the field).
+      dropout_rng: dropout key; default ``self.make_rng('dropout')``.
+      sow_weights: sow the attention weights into ``intermediates`` (falls
+        back to Flax's attention).
+      is_causal: query ``t`` sees keys ``s <= t`` (ignored in decode steps,
+        which are causal by construction).
+      segment_ids: int ``[batch..., T]`` or a pair ``([batch..., T],
+        [batch..., S])``: packed documents.
+      query_seq_lengths: int ``[batch...]``; later queries output zeros.
+      key_value_seq_lengths: int ``[batch...]``; later keys are hidden.
+
+    Returns:
+      ``[batch..., T, out_features]``.
+    """
+    if self.attention_fn not in (nn.dot_product_attention, attention_fn):
+      raise ValueError(
+          "jflash.flax.linen.MultiHeadAttention always uses jflash attention; "
+          f"got attention_fn={self.attention_fn!r}. Use "
+          "flax.linen.MultiHeadDotProductAttention for a custom attention_fn")
+    if inputs_kv is not None:
+      if inputs_k is not None or inputs_v is not None:
+        raise ValueError("pass either inputs_kv or inputs_k / inputs_v")
+      warnings.warn("inputs_kv is deprecated; use inputs_k and inputs_v",
+                    DeprecationWarning, stacklevel=2)
+      inputs_k = inputs_v = inputs_kv
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("inputs_k cannot be None if inputs_v is not None")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by "
+                       f"num_heads ({self.num_heads})")
+    head_dim = qkv_features // self.num_heads
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype,
+        param_dtype=self.param_dtype, features=(self.num_heads, head_dim),
+        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, precision=self.precision,
+        dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls)
+    # [batch..., T|S, N, H]
+    query = dense(name="query")(inputs_q)
+    key = dense(name="key")(inputs_k)
+    value = dense(name="value")(inputs_v)
+    if self.normalize_qk:
+      layer_norm = functools.partial(nn.LayerNorm, use_bias=False,
+                                     dtype=self.dtype,
+                                     param_dtype=self.param_dtype)
+      query = layer_norm(name="query_ln")(query)
+      key = layer_norm(name="key_ln")(key)
+
+    decode_index = None
+    if self.decode:
+      is_initialized = self.has_variable("cache", "cached_key")
+      cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
+                                 key.dtype)
+      cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                   value.shape, value.dtype)
+      cache_index = self.variable("cache", "cache_index",
+                                  lambda: jnp.array(0, dtype=jnp.int32))
+      if is_initialized:
+        *batch_dims, max_length, num_heads, depth = cached_key.value.shape
+        expected = tuple(batch_dims) + (1, num_heads, depth)
+        if expected != query.shape:
+          raise ValueError("Autoregressive cache shape error, expected query "
+                           f"shape {expected} instead got {query.shape}.")
+        decode_index = cache_index.value
+        zero = jnp.array(0, dtype=lax.dtype(decode_index.dtype))
+        indices = (zero,) * len(batch_dims) + (decode_index, zero, zero)
+        key = lax.dynamic_update_slice(cached_key.value, key, indices)
+        value = lax.dynamic_update_slice(cached_value.value, value, indices)
+        cached_key.value = key
+        cached_value.value = value
+        cache_index.value = cache_index.value + 1
+
+    if self.dropout_rate > 0.0:
+      m_deterministic = nn.merge_param("deterministic", self.deterministic,
+                                       deterministic)
+      if not m_deterministic and dropout_rng is None:
+        dropout_rng = self.make_rng("dropout")
+    else:
+      m_deterministic = True
+    qk_einsum = (self.qk_attn_weights_einsum_cls()
+                 if self.qk_attn_weights_einsum_cls else None)
+    av_einsum = (self.attn_weights_value_einsum_cls()
+                 if self.attn_weights_value_einsum_cls else None)
+    module = self if sow_weights else None
+
+    window = self.local_window_size
+    if decode_index is not None:
+      reason = fallback_reason(
+          dropout_rate=self.dropout_rate, deterministic=m_deterministic,
+          module=module, precision=self.precision,
+          qk_attn_weights_einsum=qk_einsum,
+          attn_weights_value_einsum=av_einsum)
+      mask, key_value_seq_lengths = decode_visibility(
+          decode_index, key.shape[-3], key.shape[:-3], mask=mask,
+          key_value_seq_lengths=key_value_seq_lengths,
+          local_window_size=window, dense=reason is not None)
+      window, is_causal = None, False
+
+    x = attention_fn(
+        query, key, value, mask=mask, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout,
+        deterministic=m_deterministic, dtype=self.dtype,
+        precision=self.precision, module=module,
+        force_fp32_for_softmax=self.force_fp32_for_softmax,
+        qk_attn_weights_einsum=qk_einsum,
+        attn_weights_value_einsum=av_einsum, is_causal=is_causal,
+        segment_ids=segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=window,
+        logits_soft_cap=self.logits_soft_cap,
+        implementation=self.implementation)
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1),
+        kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init,
+        use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision,
+        dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls, name="out")(x)

@@ -1,0 +1,184 @@
+"""JAX transformations, sharding, float64 gradients and tile skipping."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.test_util import check_grads
+
+import jflash
+from jflash.backends import XlaBackend, XlaConfig
+from tests._support import random_normal, random_segments, rel_err
+
+SMALL_TILES = XlaBackend(XlaConfig(block_q=8, block_kv=16))
+
+
+def _rng():
+  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def _qkv(rng, b=2, t=24, s=24, n=4, k=2, h=16, dtype=jnp.float32):
+  return (random_normal(rng, (b, t, n, h), dtype),
+          random_normal(rng, (b, s, k, h), dtype),
+          random_normal(rng, (b, s, k, h), dtype))
+
+
+def test_vmap_matches_loop():
+  rng = _rng()
+  q, k, v = _qkv(rng)
+  stack = [jnp.stack([x, x * 0.5 + 1.0, -x]) for x in (q, k, v)]
+  ids = jnp.asarray(random_segments(rng, 2, 24))
+
+  def f(q, k, v):
+    return jflash.dot_product_attention(q, k, v, is_causal=True,
+                                        segment_ids=ids,
+                                        implementation=SMALL_TILES)
+
+  def value_and_grads(q, k, v):
+    return f(q, k, v), jax.grad(lambda *a: f(*a).sum(), (0, 1, 2))(q, k, v)
+
+  batched, g_batched = jax.jit(jax.vmap(value_and_grads))(*stack)
+  single = jax.jit(value_and_grads)
+  looped = [single(*(x[i] for x in stack)) for i in range(3)]
+  assert rel_err(batched, jnp.stack([o for o, _ in looped])) < 1e-6
+  for j in range(3):
+    assert rel_err(g_batched[j], jnp.stack([g[j] for _, g in looped])) < 1e-6
+
+
+def test_vmap_over_segment_ids():
+  """Data-dependent tile schedules under vmap stay exact."""
+  rng = _rng()
+  q, k, v = _qkv(rng, b=1)
+  ids = jnp.asarray(np.stack([random_segments(rng, 1, 24) for _ in range(3)]))
+
+  def f(ids):
+    return jflash.dot_product_attention(q, k, v, segment_ids=ids,
+                                        implementation=SMALL_TILES)
+
+  batched = jax.jit(jax.vmap(f))(ids)
+  single = jax.jit(f)
+  for i in range(3):
+    assert rel_err(batched[i], single(ids[i])) < 1e-6
+
+
+def test_checkpoint_and_scan():
+  rng = _rng()
+  q, k, v = _qkv(rng)
+  weights = random_normal(rng, (3, 16, 16), jnp.float32) * 0.2
+
+  def layer(x, w):
+    y = jflash.dot_product_attention(x @ w, k, v, is_causal=True,
+                                     implementation=SMALL_TILES)
+    return x + y, None
+
+  def model(q, layer_fn):
+    return jax.lax.scan(layer_fn, q, weights)[0].sum()
+
+  plain = jax.jit(jax.value_and_grad(lambda q: model(q, layer)))(q)
+  remat = jax.jit(jax.value_and_grad(
+      lambda q: model(q, jax.checkpoint(layer))))(q)
+
+  @jax.jit
+  def unrolled(x):
+    for i in range(3):
+      x = layer(x, weights[i])[0]
+    return x.sum()
+
+  assert rel_err(plain[0], unrolled(q)) < 1e-6
+  assert rel_err(plain[0], remat[0]) < 1e-6
+  assert rel_err(plain[1], remat[1]) < 1e-6
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+@pytest.mark.parametrize("spec", [P("data", None, "model", None),
+                                  P("data", None, None, None),
+                                  P(None, None, "model", None)],
+                         ids=["batch+heads", "batch", "heads"])
+def test_sharded_inputs(spec, axis_type):
+  """Inputs sharded over batch and/or heads: same numbers, the output keeps
+  the sharding, and no all-gather of the inputs is needed."""
+  rng = _rng()
+  q, k, v = _qkv(rng, b=4, t=40, s=40, n=4, k=2)
+  ids = jnp.asarray(random_segments(rng, 4, 40))
+  mesh = jax.make_mesh((2, 2), ("data", "model"),
+                       axis_types=(axis_type, axis_type))
+  sharding = NamedSharding(mesh, spec)
+  ids_sharding = NamedSharding(mesh, P(spec[0], None))
+  qs, ks, vs = (jax.device_put(x, sharding) for x in (q, k, v))
+  ids_s = jax.device_put(ids, ids_sharding)
+
+  def loss(q, k, v, ids):
+    out = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                       segment_ids=ids,
+                                       implementation=SMALL_TILES)
+    return out, jax.grad(lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids,
+        implementation=SMALL_TILES).sum(), (0, 1, 2))(q, k, v)
+
+  fn = jax.jit(loss)
+  with jax.set_mesh(mesh):
+    out, grads = fn(qs, ks, vs, ids_s)
+    hlo = fn.lower(qs, ks, vs, ids_s).compile().as_text()
+  want_out, want_grads = jax.jit(loss)(q, k, v, ids)
+  assert rel_err(out, want_out) < 1e-6
+  for g, w in zip(grads, want_grads):
+    assert rel_err(g, w) < 1e-6
+  for x in (out,) + tuple(grads):
+    assert x.sharding.is_equivalent_to(sharding, 4)
+  assert "all-gather" not in hlo
+
+
+def test_float64_check_grads():
+  rng = _rng()
+  with jax.enable_x64(True):
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in _qkv(rng, t=10, s=13, h=8))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 10, 13)))
+    ids = (jnp.asarray(random_segments(rng, 2, 10, 2)),
+           jnp.asarray(random_segments(rng, 2, 13, 2)))
+
+    def f(q, k, v, bias):
+      return jflash.dot_product_attention(
+          q, k, v, bias, is_causal=True, local_window_size=(6, 2),
+          segment_ids=ids, logits_soft_cap=3.0,
+          key_value_seq_lengths=jnp.asarray([13, 9], jnp.int32),
+          implementation=XlaBackend(XlaConfig(block_q=4, block_kv=4)))
+
+    out = f(q, k, v, bias)
+    assert out.dtype == jnp.float64
+    check_grads(f, (q, k, v, bias), order=1, modes=["rev"], atol=1e-6,
+                rtol=1e-6)
+
+
+def test_empty_tiles_are_never_read():
+  """Keys in tiles the schedule marks empty may hold NaN: they are skipped,
+  not computed and masked (which would turn 0 * NaN into NaN)."""
+  rng = _rng()
+  q, k, v = _qkv(rng, b=2, t=64, s=64)
+  backend = XlaBackend(XlaConfig(block_q=16, block_kv=16))
+  # Key blocks 2 and 3 lie past every row's key length: empty tiles.
+  lengths = jnp.asarray([32, 20], jnp.int32)
+  k_bad = k.at[:, 32:].set(jnp.nan)
+  v_bad = v.at[:, 32:].set(jnp.nan)
+  out = jflash.dot_product_attention(q, k_bad, v_bad,
+                                     key_value_seq_lengths=lengths,
+                                     implementation=backend)
+  want = jflash.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                      implementation=backend)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  # Packed documents aligned to tiles: off-diagonal document tiles skipped.
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None].repeat(2, 0)
+  v_doc = v.at[:, 16:32].set(jnp.nan)  # only document 1's keys are poisoned
+  out = np.asarray(jflash.dot_product_attention(q, k, v_doc, segment_ids=ids,
+                                                implementation=backend))
+  assert np.isnan(out[:, 16:32]).all()
+  assert np.isfinite(np.delete(out, np.s_[16:32], axis=1)).all()
+  # Causal: the upper triangle of tiles is skipped.
+  v_future = v.at[:, 48:].set(jnp.nan)
+  out = np.asarray(jflash.dot_product_attention(q, k, v_future, is_causal=True,
+                                                implementation=backend))
+  assert np.isfinite(out[:, :48]).all() and np.isnan(out[:, 48:]).all()
