@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -321,15 +322,16 @@ def dot_product_attention(
     NotImplementedError: no backend among those requested can serve the call
       (only possible with an explicit ``implementation``).
   """
+  if not isinstance(return_residual, (bool, np.bool_)):
+    raise ValueError(f"return_residual must be a bool, got {return_residual!r}")
   call, unbatched = _canonicalize(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap)
+  call = dataclasses.replace(call, returns_residual=bool(return_residual))
   backends = _requested_backends(implementation)
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise ValueError(f"return_residual must be a bool, got {return_residual!r}")
   if call.mask.q_len == 0 or call.mask.kv_len == 0:
     out, lse = _empty_result(call)
   else:
@@ -369,7 +371,6 @@ def selected_implementation(
   """The name of the backend that :func:`dot_product_attention` would use
   for these arguments (same signature).  Traces abstractly; computes
   nothing."""
-  del return_residual  # does not influence the choice
   chosen = []
 
   def trace(query, key, value, bias, mask, query_seq_lengths,
@@ -380,6 +381,7 @@ def selected_implementation(
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap)
+    call = dataclasses.replace(call, returns_residual=bool(return_residual))
     chosen.append(_dispatch(call, _requested_backends(implementation))[2])
     return 0
 

@@ -43,7 +43,7 @@ class Case:
     kw["is_causal"] = kw["is_causal"] or False
     return _canonicalize(q, k, v, bias, self.mask, **kw)
 
-  def call_reference(self, q, k, v, bias, compute_dtype=None):
+  def call_reference(self, q, k, v, bias, compute_dtype=None, jit=True):
     """(out, lse) of the exact reference, in the input layout."""
     def run(q, k, v, bias):
       call, unbatched = self.canonical(q, k, v, bias)
@@ -52,9 +52,9 @@ class Case:
           scale=call.scale, logits_soft_cap=call.logits_soft_cap,
           compute_dtype=compute_dtype)
       return (out[0], lse[0]) if unbatched else (out, lse)
-    return jax.jit(run)(q, k, v, bias)
+    return (jax.jit(run) if jit else run)(q, k, v, bias)
 
-  def call_plain(self, q, k, v, bias):
+  def call_plain(self, q, k, v, bias, jit=True):
     """A plain materialized implementation in the input dtype, the way
     ``jax.nn``'s ``xla`` path computes (logits in float32, probabilities
     rounded to the input dtype before the value product)."""
@@ -64,7 +64,7 @@ class Case:
                             call.mask.visibility(), call.scale,
                             call.logits_soft_cap)
       return out[0] if unbatched else out
-    return jax.jit(run)(q, k, v, bias)
+    return (jax.jit(run) if jit else run)(q, k, v, bias)
 
 
 def plain_attention(q, k, v, bias, visible, scale, cap):
@@ -134,15 +134,5 @@ def grads_of(fn, case: Case, cotangent, argnums=(0, 1, 2)):
   return jax.grad(loss, argnums=argnums)(*case.arrays)
 
 
-def high_precision_grads(case: Case, cotangent, argnums):
-  """Reference gradients on float32-upcast inputs."""
-  def fn(q, k, v, bias):
-    return case.call_reference(q, k, v, bias)[0]
-  up = Case(*(None if a is None else a.astype(jnp.promote_types(
-      a.dtype, jnp.float32)) for a in case.arrays), mask=case.mask,
-            kwargs=case.kwargs)
-  return jax.jit(lambda: grads_of(fn, up, cotangent, argnums))()
-
-
 __all__ = ["Case", "rel_err", "lse_err", "random_normal", "random_segments",
-           "grads_of", "high_precision_grads", "plain_attention"]
+           "grads_of", "plain_attention"]

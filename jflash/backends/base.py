@@ -38,6 +38,8 @@ class AttentionCall:
     scale: multiplies ``query . key`` before the bias is added.
     logits_soft_cap: ``cap * tanh(logits / cap)`` after scale and bias, or
       None.
+    returns_residual: the caller asked for the logsumexp (which must then be
+      differentiable).
   """
 
   query: Array
@@ -47,6 +49,7 @@ class AttentionCall:
   mask: AttentionMask
   scale: float
   logits_soft_cap: float | None
+  returns_residual: bool = False
 
   @property
   def dtype(self):

@@ -4,7 +4,8 @@ It serves only calls whose meaning cuDNN reproduces exactly, and declines
 (``NotImplementedError``) everything else rather than approximate it:
 segment ids, soft cap, dense boolean masks (whose fully hidden rows cuDNN
 does not define), windows without ``is_causal`` (cuDNN supports only a left
-window), float32/float64 inputs, head dims that are not multiples of 8 or
+window), ``return_residual=True`` (``jax.nn`` stops the gradient of cuDNN's
+logsumexp; jflash's is differentiable), float32/float64 inputs, head dims that are not multiples of 8 or
 above 256, and platforms other than CUDA GPUs.  Rows with no visible key are
 set to zeros and a logsumexp of ``-inf``, as for every jflash backend.
 """
@@ -49,6 +50,8 @@ class CudnnBackend:
       _decline("a dense boolean mask is not supported")
     if mask.window is not None and not mask.is_causal:
       _decline("local_window_size needs is_causal=True")
+    if call.returns_residual:
+      _decline("jax.nn's cuDNN path returns a logsumexp without gradient")
     try:
       out, lse = jax.nn.dot_product_attention(
           call.query, call.key, call.value, call.bias, None,

@@ -1,0 +1,36 @@
+"""GPU runs of the conformance suite (marked ``gpu``; skipped elsewhere).
+
+Run on a CUDA machine with ``pytest -m gpu``.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from tests import conformance
+
+pytestmark = pytest.mark.gpu
+
+
+class TestCudnnGpu(conformance.AttentionConformance):
+  """``jax.nn``'s cuDNN path behind jflash's contract: what it cannot do
+  exactly, it declines."""
+
+  implementation = "cudnn"
+  dtypes = (jnp.bfloat16,)
+  supports_segments = False
+  supports_soft_cap = False
+  supports_dense_mask = False
+  supports_noncausal_window = False
+  supports_residual = False
+
+
+class TestXlaGpu(conformance.AttentionConformance):
+  """The fallback on the GPU (float32 matmuls at HIGHEST precision)."""
+
+  implementation = "xla"
+
+
+class TestDefaultGpu(conformance.AttentionConformance):
+  """``implementation=None`` on the GPU: every call is served exactly."""
+
+  implementation = None
