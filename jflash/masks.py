@@ -138,6 +138,18 @@ class AttentionMask:
     """True when only causal/window/lengths are set (no segments, no dense)."""
     return self.q_segment_ids is None and self.dense is None
 
+  def may_have_empty_rows(self) -> bool:
+    """Static: False when every query row is sure to see a key (no lengths,
+    segments or dense mask, and no window that can slide past the keys)."""
+    if not self.has_structural_part_only() or self.q_lengths is not None:
+      return True
+    if self.kv_lengths is not None:
+      return True
+    # Causal rows see key 0 at least; a window's row t sees key min(t, S-1)
+    # unless t - left >= S.
+    return self.window is not None and self.q_len - 1 - self.window[0] >= \
+        self.kv_len
+
   def rows_with_visible_keys(self) -> Array:
     """``[B, T]`` bool: rows that see at least one key.
 

@@ -95,6 +95,8 @@ class AttentionConformance:
   supports_residual = True
   dtypes = (jnp.float32, jnp.bfloat16)
   head_dims = (32, 64, 80, 128, 256)
+  # Sequence length of the feature tests: not a multiple of any block size.
+  feature_len = 77
 
   # ---------------------------------------------------------------- core
   def supported(self, case: Case, dtype) -> bool:
@@ -202,7 +204,8 @@ class AttentionConformance:
                            ids=["f32", "bf16"])
   def test_feature(self, feature, dtype):
     rng, seed = new_rng()
-    case = build_case(rng, feature, dtype=dtype)
+    case = build_case(rng, feature, dtype=dtype, q_len=self.feature_len,
+                      kv_len=self.feature_len)
     self.check_case(case, dtype, seed)
 
   @pytest.mark.parametrize("feature", ("causal", "window", "segments",
@@ -289,9 +292,11 @@ class AttentionConformance:
 
   def test_fully_masked_rows_are_zero(self):
     rng, seed = new_rng()
-    case = build_case(rng, "lengths", dtype=self.main_dtype)
+    n = self.feature_len
+    case = build_case(rng, "lengths", dtype=self.main_dtype, q_len=n,
+                      kv_len=n)
     case.kwargs["query_seq_lengths"] = jnp.asarray([0, 30], jnp.int32)
-    case.kwargs["key_value_seq_lengths"] = jnp.asarray([77, 0], jnp.int32)
+    case.kwargs["key_value_seq_lengths"] = jnp.asarray([n, 0], jnp.int32)
     out = jax.jit(self.attention(case))(*case.arrays)
     assert np.all(np.asarray(out, np.float32) == 0)
     if self.supports_residual:
@@ -307,10 +312,10 @@ class AttentionConformance:
 
   def test_deterministic(self):
     rng, _ = new_rng()
-    dtype = self.dtypes[-1]
-    case = build_case(rng, "combined", dtype=dtype)
+    dtype, n = self.dtypes[-1], self.feature_len
+    case = build_case(rng, "combined", dtype=dtype, q_len=n, kv_len=n)
     if not self.supported(case, dtype):
-      case = build_case(rng, "causal", dtype=dtype)
+      case = build_case(rng, "causal", dtype=dtype, q_len=n, kv_len=n)
     cot = random_normal(rng, case.query.shape, jnp.float32)
     argnums = (0, 1, 2, 3) if case.bias is not None else (0, 1, 2)
     run = jax.jit(lambda *a: (self.attention(case)(*a), grads_of(
@@ -322,7 +327,8 @@ class AttentionConformance:
 
   def test_nan_input_propagates(self):
     rng, _ = new_rng()
-    case = build_case(rng, "causal", dtype=self.main_dtype)
+    case = build_case(rng, "causal", dtype=self.main_dtype,
+                      q_len=self.feature_len, kv_len=self.feature_len)
     case.query = case.query.at[1, 20, 0, 3].set(jnp.nan)
     out = case.call_jflash(*case.arrays, implementation=self.implementation)
     out = np.asarray(out, np.float32)

@@ -215,3 +215,17 @@ def test_invalid_mask_construction():
                         q_segment_ids=jnp.zeros((1, 4), jnp.int32))
   with pytest.raises(ValueError, match="block"):
     masks.tile_classes(masks.AttentionMask(batch=1, q_len=4, kv_len=4), 0, 4)
+
+
+@pytest.mark.parametrize("combo", [c for c in COMBOS if not c["segments"]
+                                   and not c["dense"]],
+                         ids=lambda c: "-".join(k for k, v in c.items() if v)
+                         or "none")
+def test_may_have_empty_rows_is_safe(combo):
+  """When the static check says every row sees a key, brute force agrees."""
+  rng, seed = _seeded()
+  for _ in range(5):
+    q_len, kv_len = int(rng.integers(1, 30)), int(rng.integers(1, 30))
+    mask, vis = random_mask(rng, 2, q_len, kv_len, **combo)
+    if not mask.may_have_empty_rows():
+      assert vis.any(axis=(1, 3)).all(), f"seed={seed} window={mask.window}"

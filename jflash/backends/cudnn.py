@@ -62,7 +62,9 @@ class CudnnBackend:
           return_residual=True)
     except (ValueError, RuntimeError, NotImplementedError) as err:
       raise NotImplementedError(f"cudnn: {err}") from err
-    has_keys = mask.rows_with_visible_keys()[:, :, None]  # [B, T, 1]
-    out = jnp.where(has_keys[..., None], out, jnp.zeros((), out.dtype))
-    lse = jnp.where(has_keys, lse.astype(jnp.float32), -jnp.inf)
+    lse = lse.astype(jnp.float32)
+    if mask.may_have_empty_rows():
+      has_keys = mask.rows_with_visible_keys()[:, :, None]  # [B, T, 1]
+      out = jnp.where(has_keys[..., None], out, jnp.zeros((), out.dtype))
+      lse = jnp.where(has_keys, lse, -jnp.inf)
     return out, lse
