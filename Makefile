@@ -1,0 +1,61 @@
+# jflash developer commands.  `make demo` and `make test` work on a fresh
+# machine: the first run creates .venv with Python 3.12 (found by
+# tools/find_python.sh; override with `make PYTHON=/path/to/python3.12 ...`)
+# and installs the project; later runs reinstall only when pyproject.toml
+# changes.
+
+SHELL := /bin/bash
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.jflash-installed
+EXTRAS := test,demo
+# pytest-xdist workers for `make test` (override: make test PYTEST_WORKERS=0).
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+ifeq ($(PYTEST_WORKERS),0)
+  XDIST :=
+else
+  XDIST := -n $(PYTEST_WORKERS)
+endif
+
+.PHONY: venv demo test test-gpu clean
+
+venv: $(STAMP)
+
+# The interpreter: created once.  A venv whose interpreter no longer runs (for
+# example its base Python was removed) is rebuilt.
+$(VPY):
+	@set -e; \
+	if [ -e "$(VENV)" ]; then echo "Removing broken $(VENV)"; rm -rf "$(VENV)"; fi; \
+	py="$$(PYTHON='$(PYTHON)' sh tools/find_python.sh)"; \
+	echo "Creating $(VENV) with $$py ($$("$$py" --version))"; \
+	"$$py" -m venv "$(VENV)" || { rm -rf "$(VENV)"; exit 1; }
+
+# The project and its extras: reinstalled when pyproject.toml changes.
+$(STAMP): pyproject.toml | $(VPY)
+	@if ! "$(VPY)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+	    2>/dev/null; then echo "$(VENV) does not run Python >= 3.12; run" \
+	    "'make clean' and try again" >&2; exit 1; fi
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	@touch "$(STAMP)"
+
+# Trains a small character-level transformer on the CPU (a few minutes) with
+# jflash attention; writes demo_output/.
+demo: $(STAMP)
+	$(VPY) -m examples.train_lm $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+
+# On a CUDA machine: only the GPU tests.  No .venv and no install: the GPU
+# machines have no package registry, and their own python3 already holds jax
+# with its CUDA plugin (use `make test-gpu PYTHON=...` to pick another).
+test-gpu:
+	$(or $(PYTHON),python3) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Examples for jflash (run from the repository root, e.g. ``make demo``)."""
