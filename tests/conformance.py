@@ -153,7 +153,12 @@ class AttentionConformance:
       out, vjp = jax.vjp(lambda *a: case.call_plain(*a, jit=False), *arrays)
       return out, vjp(cot)
 
-    out, lse, got = jax.jit(ours)(*case.arrays)
+    try:
+      out, lse, got = jax.jit(ours)(*case.arrays)
+    except NotImplementedError as err:
+      if self.may_decline(case):
+        pytest.skip(f"declined (allowed for this backend): {err}")
+      raise
     ref_out, ref_lse, want = jax.jit(exact)(*case.arrays)
     assert out.dtype == case.query.dtype and out.shape == case.query.shape
     assert not np.isnan(np.asarray(out, np.float32)).any(), info
@@ -192,6 +197,12 @@ class AttentionConformance:
         np.where(np.isfinite(ref_lse), ref_lse, 0)))))
     tol = F32_TOL if dtype == jnp.float32 else 2e-2
     assert lse_err(lse, ref_lse) < tol * scale, info
+
+  def may_decline(self, case: Case) -> bool:
+    """Cases the backend may either serve exactly or decline (a library
+    underneath decides); declining must still be a NotImplementedError."""
+    del case
+    return False
 
   @property
   def main_dtype(self):
