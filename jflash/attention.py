@@ -346,9 +346,7 @@ def dot_product_attention(
 def _empty_result(call: AttentionCall) -> tuple[Array, Array]:
   """T == 0 or S == 0: nothing to attend to."""
   q = call.query
-  # Multiply by zero so the result stays connected to query for autodiff.
-  out = jnp.zeros(q.shape, q.dtype) + 0 * q
-  return out, jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+  return jnp.zeros_like(q), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
 
 
 def selected_implementation(

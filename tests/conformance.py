@@ -93,7 +93,7 @@ class AttentionConformance:
   supports_segments = True
   supports_noncausal_window = True
   supports_residual = True
-  dtypes = (jnp.float32, jnp.bfloat16)
+  dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
   head_dims = (32, 64, 80, 128, 256)
   # Sequence length of the feature tests: not a multiple of any block size.
   feature_len = 77
@@ -258,6 +258,12 @@ class AttentionConformance:
     case = build_case(rng, "combined", dtype=dtype, heads=heads,
                       kv_heads=kv_heads, q_len=50, kv_len=50)
     self.check_case(case, dtype, seed)
+
+  def test_float16(self):
+    rng, seed = new_rng()
+    n = self.feature_len
+    case = build_case(rng, "combined", dtype=jnp.float16, q_len=n, kv_len=n)
+    self.check_case(case, jnp.float16, seed)
 
   @pytest.mark.parametrize("bias_shape", [(1, 1, 1, 64), (2, 4, 1, 1),
                                           (1, 4, 40, 64), (2, 1, 40, 1)])

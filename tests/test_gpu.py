@@ -16,7 +16,7 @@ class TestCudnnGpu(conformance.AttentionConformance):
   exactly, it declines."""
 
   implementation = "cudnn"
-  dtypes = (jnp.bfloat16,)
+  dtypes = (jnp.bfloat16, jnp.float16)
   supports_segments = False
   supports_soft_cap = False
   supports_dense_mask = False
@@ -35,3 +35,15 @@ class TestCudnnGpu(conformance.AttentionConformance):
     # (jax.nn raises "Unsupported sequence length"); served ones must be
     # exact.
     return case.query.shape[-3] % 2 == 1 or case.key.shape[-3] % 2 == 1
+
+
+class TestXlaGpu(conformance.AttentionConformance):
+  """The fallback on the GPU (float32 matmuls at HIGHEST precision)."""
+
+  implementation = "xla"
+
+
+class TestDefaultGpu(conformance.AttentionConformance):
+  """``implementation=None`` on the GPU: every call is served exactly."""
+
+  implementation = None

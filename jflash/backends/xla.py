@@ -46,7 +46,7 @@ class XlaConfig:
 
   block_q: int = 512
   block_kv: int = 512
-  max_tile_elements: int = 1 << 22
+  max_tile_elements: int = 1 << 24
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "max_tile_elements"):
