@@ -221,6 +221,17 @@ class AttentionMask:
     return jnp.broadcast_to(vis, (self.batch,) + vis.shape[1:])
 
 
+def key_visibility_at(position: Array | int, kv_len: int, *,
+                      is_causal: bool,
+                      window: tuple[int, int] | None) -> Array:
+  """``[S]`` bool: which keys a single query at absolute ``position`` (may
+  be traced) sees under causal/window rules, e.g. one decode step against a
+  cache of ``kv_len`` slots.  Same rule as :class:`AttentionMask`."""
+  mask = AttentionMask(batch=1, q_len=kv_len, kv_len=kv_len,
+                       is_causal=is_causal, window=window)
+  return mask.block_visibility(position, 1, 0, kv_len)[0, 0, 0]
+
+
 # ------------------------------------------------------------------- tiles
 def _structural_classes(mask: AttentionMask, block_q: int, block_kv: int,
                         num_q: int, num_kv: int) -> tuple[Array, Array]:

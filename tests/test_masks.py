@@ -229,3 +229,18 @@ def test_may_have_empty_rows_is_safe(combo):
     mask, vis = random_mask(rng, 2, q_len, kv_len, **combo)
     if not mask.may_have_empty_rows():
       assert vis.any(axis=(1, 3)).all(), f"seed={seed} window={mask.window}"
+
+
+def test_key_visibility_at_matches_rows_of_the_full_mask():
+  rng, seed = _seeded()
+  for _ in range(5):
+    length = int(rng.integers(1, 40))
+    window = (int(rng.integers(0, length)), int(rng.integers(0, length)))
+    causal = bool(rng.integers(0, 2))
+    want = brute_visibility(1, length, length, is_causal=causal,
+                            window=window)[0, 0]
+    row_at = jax.jit(lambda p: masks.key_visibility_at(
+        p, length, is_causal=causal, window=window))
+    for position in range(length):
+      np.testing.assert_array_equal(np.asarray(row_at(position)),
+                                    want[position], err_msg=str(seed))

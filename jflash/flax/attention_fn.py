@@ -51,6 +51,7 @@ from flax import nnx
 from flax.linen.dtypes import promote_dtype
 
 import jflash
+from jflash import masks
 
 Array = jax.Array
 
@@ -290,17 +291,16 @@ def decode_visibility(
     ``(mask, key_value_seq_lengths)`` to pass with ``local_window_size=None``
     and ``is_causal=False``.
   """
-  positions = jnp.arange(max_length)
   row = None
-  if local_window_size is not None:
-    left = (local_window_size[0]
-            if isinstance(local_window_size, (tuple, list))
-            else local_window_size)
-    row = positions >= cur_index - left
-  if dense:
-    occupied = positions <= cur_index
-    row = occupied if row is None else row & occupied
-  else:
+  if local_window_size is not None or dense:
+    # Occupancy (s <= cur_index) is the causal rule at position cur_index.
+    window = (None if local_window_size is None
+              else tuple(local_window_size)
+              if isinstance(local_window_size, (tuple, list))
+              else (local_window_size, local_window_size))
+    row = masks.key_visibility_at(cur_index, max_length, is_causal=True,
+                                  window=window)
+  if not dense:
     lengths = jnp.full(batch_shape, cur_index + 1, jnp.int32)
     if key_value_seq_lengths is not None:
       lengths = jnp.minimum(lengths, jnp.asarray(key_value_seq_lengths))
