@@ -211,7 +211,10 @@ def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
   out = jnp.moveaxis(out, 0, 1).reshape(batch, -1, num_heads, head_dim)
   lse = jnp.moveaxis(lse, 0, 1).reshape(batch, -1, num_heads)
   q_len = q.shape[1]
-  return out[:, :q_len].astype(q.dtype), lse[:, :q_len].astype(jnp.float32)
+  # The output stays in the compute dtype here: the backward pass takes
+  # delta = rowsum(dO * O) from it, and an O rounded to bfloat16 would cost
+  # dQ and dK several times the rounding error of the result.
+  return out[:, :q_len], lse[:, :q_len].astype(jnp.float32)
 
 
 def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
@@ -317,13 +320,14 @@ def _schedule(mask, plan: _Plan) -> masks.TileSchedule:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, bias, mask, plan):
-  return _forward(q, k, v, bias, mask, _schedule(mask, plan), plan)
+  out, lse = _forward(q, k, v, bias, mask, _schedule(mask, plan), plan)
+  return out.astype(q.dtype), lse
 
 
 def _attention_fwd(q, k, v, bias, mask, plan):
   sched = _schedule(mask, plan)
   out, lse = _forward(q, k, v, bias, mask, sched, plan)
-  return (out, lse), (q, k, v, bias, mask, sched, out, lse)
+  return (out.astype(q.dtype), lse), (q, k, v, bias, mask, sched, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
