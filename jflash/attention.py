@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -166,7 +165,8 @@ def _requested_backends(implementation: Any) -> tuple[Backend, ...]:
 
 def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                   query_seq_lengths, key_value_seq_lengths, local_window_size,
-                  segment_ids, logits_soft_cap) -> tuple[AttentionCall, bool]:
+                  segment_ids, logits_soft_cap,
+                  return_residual=False) -> tuple[AttentionCall, bool]:
   """Validates every argument; returns the canonical call and whether the
   inputs were unbatched ``[T, N, H]``."""
   query = _as_array(query, "query")
@@ -234,8 +234,11 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
       kv_lengths=_canonical_lengths(key_value_seq_lengths,
                                     "key_value_seq_lengths", batch),
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask)
+  if not isinstance(return_residual, (bool, np.bool_)):
+    raise ValueError(f"return_residual must be a bool, got {return_residual!r}")
   call = AttentionCall(query, key, value, bias, attention_mask,
-                       scale=scale_value, logits_soft_cap=cap)
+                       scale=scale_value, logits_soft_cap=cap,
+                       returns_residual=bool(return_residual))
   return call, unbatched
 
 
@@ -322,15 +325,12 @@ def dot_product_attention(
     NotImplementedError: no backend among those requested can serve the call
       (only possible with an explicit ``implementation``).
   """
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise ValueError(f"return_residual must be a bool, got {return_residual!r}")
   call, unbatched = _canonicalize(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
-      logits_soft_cap=logits_soft_cap)
-  call = dataclasses.replace(call, returns_residual=bool(return_residual))
+      logits_soft_cap=logits_soft_cap, return_residual=return_residual)
   backends = _requested_backends(implementation)
   if call.mask.q_len == 0 or call.mask.kv_len == 0:
     out, lse = _empty_result(call)
@@ -378,8 +378,7 @@ def selected_implementation(
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
-    call = dataclasses.replace(call, returns_residual=bool(return_residual))
+        logits_soft_cap=logits_soft_cap, return_residual=return_residual)
     chosen.append(_dispatch(call, _requested_backends(implementation))[2])
     return 0
 

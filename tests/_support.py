@@ -4,6 +4,7 @@ same-dtype implementation for error baselines, and error metrics."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -108,6 +109,19 @@ def lse_err(x, ref) -> float:
   return float(np.max(np.abs(x[finite] - ref[finite])))
 
 
+def fresh_rng() -> np.random.Generator:
+  """A generator with a new random seed: fresh inputs on every run."""
+  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def random_qkv(rng: np.random.Generator, b=2, t=12, s=12, n=4, k=2, h=16,
+               dtype=jnp.float32):
+  """Random ``query [b, t, n, h]``, ``key`` and ``value [b, s, k, h]``."""
+  return (random_normal(rng, (b, t, n, h), dtype),
+          random_normal(rng, (b, s, k, h), dtype),
+          random_normal(rng, (b, s, k, h), dtype))
+
+
 def random_normal(rng: np.random.Generator, shape, dtype) -> jax.Array:
   return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(
       dtype)
@@ -134,5 +148,5 @@ def grads_of(fn, case: Case, cotangent, argnums=(0, 1, 2)):
   return jax.grad(loss, argnums=argnums)(*case.arrays)
 
 
-__all__ = ["Case", "rel_err", "lse_err", "random_normal", "random_segments",
+__all__ = ["Case", "fresh_rng", "random_qkv", "rel_err", "lse_err", "random_normal", "random_segments",
            "grads_of", "plain_attention"]

@@ -1,7 +1,6 @@
 """The public contract: input validation, dispatch, and equivalence with
 ``jax.nn.dot_product_attention`` on every argument the two share."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -10,17 +9,11 @@ import pytest
 
 import jflash
 from jflash.backends import XlaBackend, XlaConfig
-from tests._support import random_normal, rel_err
+from tests._support import fresh_rng, random_normal, random_qkv, rel_err
 
 
-def _rng():
-  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-
-
-def _qkv(rng, b=2, t=12, s=12, n=4, k=2, h=16, dtype=jnp.float32):
-  return (random_normal(rng, (b, t, n, h), dtype),
-          random_normal(rng, (b, s, k, h), dtype),
-          random_normal(rng, (b, s, k, h), dtype))
+_rng = fresh_rng
+_qkv = random_qkv
 
 
 # ---------------------------------------------------------------- errors

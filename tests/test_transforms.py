@@ -1,6 +1,6 @@
 """JAX transformations, sharding, float64 gradients and tile skipping."""
 
-import os
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,19 +11,14 @@ from jax.test_util import check_grads
 
 import jflash
 from jflash.backends import XlaBackend, XlaConfig
-from tests._support import random_normal, random_segments, rel_err
+from tests._support import (fresh_rng, random_normal, random_qkv,
+                            random_segments, rel_err)
 
 SMALL_TILES = XlaBackend(XlaConfig(block_q=8, block_kv=16))
 
 
-def _rng():
-  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-
-
-def _qkv(rng, b=2, t=24, s=24, n=4, k=2, h=16, dtype=jnp.float32):
-  return (random_normal(rng, (b, t, n, h), dtype),
-          random_normal(rng, (b, s, k, h), dtype),
-          random_normal(rng, (b, s, k, h), dtype))
+_rng = fresh_rng
+_qkv = functools.partial(random_qkv, t=24, s=24)
 
 
 def test_vmap_matches_loop():
