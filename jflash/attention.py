@@ -166,7 +166,8 @@ def _requested_backends(implementation: Any) -> tuple[Backend, ...]:
 def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                   query_seq_lengths, key_value_seq_lengths, local_window_size,
                   segment_ids, logits_soft_cap,
-                  return_residual=False) -> tuple[AttentionCall, bool]:
+                  return_residual=False,
+                  interpret=False) -> tuple[AttentionCall, bool]:
   """Validates every argument; returns the canonical call and whether the
   inputs were unbatched ``[T, N, H]``."""
   query = _as_array(query, "query")
@@ -236,9 +237,12 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask)
   if not isinstance(return_residual, (bool, np.bool_)):
     raise ValueError(f"return_residual must be a bool, got {return_residual!r}")
+  if not isinstance(interpret, (bool, np.bool_)):
+    raise ValueError(f"interpret must be a bool, got {interpret!r}")
   call = AttentionCall(query, key, value, bias, attention_mask,
                        scale=scale_value, logits_soft_cap=cap,
-                       returns_residual=bool(return_residual))
+                       returns_residual=bool(return_residual),
+                       interpret=bool(interpret))
   return call, unbatched
 
 
@@ -273,6 +277,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
+    interpret: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Exact scaled dot-product attention, a superset of
   ``jax.nn.dot_product_attention``.
@@ -309,6 +314,11 @@ def dot_product_attention(
       of those tried in order; a backend that cannot serve the call declines
       and the next is tried.
     return_residual: also return the logsumexp.
+    interpret: run the Pallas kernels in Pallas's interpret mode, which works
+      on the CPU (slow; for verification and debugging).  ``mosaic_tpu``
+      supports it; ``mosaic_gpu`` and ``cudnn`` decline
+      (``NotImplementedError``: their kernels cannot be interpreted on the
+      CPU); ``xla`` has no Pallas kernels and runs as usual.
 
   All visibility rules combine with logical AND.  A query row that sees no
   key returns zeros and a logsumexp of ``-inf`` (``jax.nn``'s ``xla`` path
@@ -330,7 +340,8 @@ def dot_product_attention(
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
-      logits_soft_cap=logits_soft_cap, return_residual=return_residual)
+      logits_soft_cap=logits_soft_cap, return_residual=return_residual,
+      interpret=interpret)
   backends = _requested_backends(implementation)
   if call.mask.q_len == 0 or call.mask.kv_len == 0:
     out, lse = _empty_result(call)
@@ -365,6 +376,7 @@ def selected_implementation(
     logits_soft_cap: float | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
+    interpret: bool = False,
 ) -> str:
   """The name of the backend that :func:`dot_product_attention` would use
   for these arguments (same signature).  Traces abstractly; computes
@@ -378,7 +390,8 @@ def selected_implementation(
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, return_residual=return_residual)
+        logits_soft_cap=logits_soft_cap, return_residual=return_residual,
+        interpret=interpret)
     chosen.append(_dispatch(call, _requested_backends(implementation))[2])
     return 0
 

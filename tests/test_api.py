@@ -61,6 +61,7 @@ def _bad_inputs():
   yield "implementation empty", dict(implementation=[]), r"implementation"
   yield "implementation type", dict(implementation=3), r"implementation"
   yield "residual", dict(return_residual=1), r"return_residual"
+  yield "interpret", dict(interpret="yes"), r"interpret must be a bool"
 
 
 @pytest.mark.parametrize("name,override,pattern", list(_bad_inputs()),
@@ -111,6 +112,18 @@ def test_cudnn_declines_off_gpu_and_sequence_falls_through():
                                 np.asarray(want, np.float32))
   assert jflash.selected_implementation(
       q, k, v, implementation=["mosaic_gpu", "cudnn", "xla"]) == "xla"
+
+
+def test_interpret_declined_by_cudnn_and_ignored_by_xla():
+  q, k, v = _qkv(_rng(), dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="interpret"):
+    jflash.dot_product_attention(q, k, v, implementation="cudnn",
+                                 interpret=True)
+  out = jflash.dot_product_attention(q, k, v, implementation="xla",
+                                     interpret=True)
+  want = jflash.dot_product_attention(q, k, v, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(want, np.float32))
 
 
 def test_error_lists_every_declining_backend():

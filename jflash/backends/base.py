@@ -40,6 +40,9 @@ class AttentionCall:
       None.
     returns_residual: the caller asked for the logsumexp (which must then be
       differentiable).
+    interpret: run Pallas kernels through the Pallas interpreter (on the
+      CPU).  A backend with Pallas kernels that cannot be interpreted
+      declines; a backend with no kernels of its own (``xla``) is unaffected.
   """
 
   query: Array
@@ -50,6 +53,7 @@ class AttentionCall:
   scale: float
   logits_soft_cap: float | None
   returns_residual: bool = False
+  interpret: bool = False
 
   @property
   def dtype(self):

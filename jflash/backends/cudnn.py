@@ -33,6 +33,8 @@ class CudnnBackend:
   name: str = "cudnn"
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    if call.interpret:
+      _decline("cuDNN kernels cannot run in Pallas interpret mode")
     if jax.default_backend() != "gpu":
       _decline(f"needs a CUDA GPU, the default backend is "
                f"{jax.default_backend()!r}")
