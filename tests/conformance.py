@@ -87,6 +87,8 @@ class AttentionConformance:
   """Shared conformance tests; subclasses pick the backend."""
 
   implementation: Any = None
+  # Passed with every call: run Pallas kernels through the interpreter.
+  interpret = False
   supports_bias = True
   supports_dense_mask = True
   supports_soft_cap = True
@@ -99,6 +101,11 @@ class AttentionConformance:
   feature_len = 77
 
   # ---------------------------------------------------------------- core
+  @property
+  def backend_kwargs(self) -> dict[str, Any]:
+    """The keyword arguments that select this class's backend."""
+    return dict(implementation=self.implementation, interpret=self.interpret)
+
   def supported(self, case: Case, dtype) -> bool:
     """Whether the backend must serve ``case``; otherwise it must raise
     ``NotImplementedError``."""
@@ -115,7 +122,7 @@ class AttentionConformance:
   def attention(self, case: Case):
     def fn(q, k, v, bias):
       return case.call_jflash(q, k, v, bias,
-                              implementation=self.implementation)
+                              **self.backend_kwargs)
     return fn
 
   def check_case(self, case: Case, dtype, seed: int):
@@ -124,7 +131,7 @@ class AttentionConformance:
     if not self.supported(case, dtype):
       # Declining loudly is the contract for what a backend cannot do.
       with pytest.raises(NotImplementedError):
-        case.call_jflash(*case.arrays, implementation=self.implementation)
+        case.call_jflash(*case.arrays, **self.backend_kwargs)
       return
     info = f"seed={seed} kwargs={list(case.kwargs)} dtype={dtype.__name__}"
     rng = np.random.default_rng(seed + 1)
@@ -135,7 +142,7 @@ class AttentionConformance:
 
     def ours(*arrays):
       def f(*a):
-        r = case.call_jflash(*a, implementation=self.implementation,
+        r = case.call_jflash(*a, **self.backend_kwargs,
                              return_residual=residual)
         return r if residual else (r, None)
       (out, lse), vjp = jax.vjp(f, *arrays)
@@ -169,7 +176,7 @@ class AttentionConformance:
       self.check_logsumexp(lse, ref_lse, out, dtype, info)
     else:
       with pytest.raises(NotImplementedError):
-        case.call_jflash(*case.arrays, implementation=self.implementation,
+        case.call_jflash(*case.arrays, **self.backend_kwargs,
                          return_residual=True)
     names = ["out", "dq", "dk", "dv", "dbias"]
     got, want = [out, *got], [ref_out, *want]
@@ -301,7 +308,7 @@ class AttentionConformance:
       return jax.grad(inner, argnums=(0, 1, 2))(*case.arrays[:3])
 
     got = loss(lambda q, k, v: case.call_jflash(
-        q, k, v, None, implementation=self.implementation,
+        q, k, v, None, **self.backend_kwargs,
         return_residual=True))
     want = loss(lambda q, k, v: case.call_reference(q, k, v, None))
     for g, w in zip(got, want):
@@ -318,7 +325,7 @@ class AttentionConformance:
     assert np.all(np.asarray(out, np.float32) == 0)
     if self.supports_residual:
       _, lse = case.call_jflash(*case.arrays, return_residual=True,
-                                implementation=self.implementation)
+                                **self.backend_kwargs)
       assert np.all(np.isneginf(np.asarray(lse, np.float32)))
     cot = random_normal(rng, out.shape, jnp.float32)
     grads = jax.jit(lambda *a: grads_of(self.attention(case), Case(
@@ -347,7 +354,7 @@ class AttentionConformance:
     case = build_case(rng, "causal", dtype=self.main_dtype,
                       q_len=self.feature_len, kv_len=self.feature_len)
     case.query = case.query.at[1, 20, 0, 3].set(jnp.nan)
-    out = case.call_jflash(*case.arrays, implementation=self.implementation)
+    out = case.call_jflash(*case.arrays, **self.backend_kwargs)
     out = np.asarray(out, np.float32)
     assert np.isnan(out[1, 20, 0]).all()
     clean = np.ones(out.shape[:3], bool)
@@ -365,5 +372,5 @@ class AttentionConformance:
         continue
       case = build_case(rng, feature, dtype=self.dtypes[0])
       with pytest.raises(NotImplementedError):
-        case.call_jflash(*case.arrays, implementation=self.implementation)
+        case.call_jflash(*case.arrays, **self.backend_kwargs)
 
