@@ -56,6 +56,44 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def row_bounds(q_idx: Array, *, q_len: int, kv_len: int, is_causal: bool,
+               window: tuple[int, int] | None, q_length: Array | int | None = None,
+               kv_length: Array | int | None = None) -> tuple[Array, Array]:
+  """The structural rule for query positions ``q_idx`` (any shape): the
+  visible keys are ``lo <= s < hi``, and rows that see nothing get
+  ``hi == lo``.
+
+  Elementwise integer operations only (``maximum``, ``minimum``, ``where``
+  and comparisons against scalars), so that kernels can apply the same rule
+  to position arrays in their own register layouts.  ``q_length`` and
+  ``kv_length`` are this batch row's lengths (scalars or arrays that
+  broadcast against ``q_idx``), or None.
+  """
+  lo = jnp.zeros_like(q_idx) if window is None else jnp.maximum(
+      q_idx - window[0], 0)
+  hi = jnp.full_like(q_idx, kv_len)
+  if kv_length is not None:
+    hi = jnp.minimum(hi, kv_length)
+  right = _right_offset(is_causal, window)
+  if right is not None:
+    hi = jnp.minimum(hi, q_idx + (right + 1))
+  q_valid = q_idx < q_len
+  if q_length is not None:
+    q_valid = q_valid & (q_idx < q_length)
+  return lo, jnp.where(q_valid, hi, lo)
+
+
+def _right_offset(is_causal: bool,
+                  window: tuple[int, int] | None) -> int | None:
+  """Largest visible ``s - t``, or None when unbounded."""
+  offsets = []
+  if is_causal:
+    offsets.append(0)
+  if window is not None:
+    offsets.append(window[1])
+  return min(offsets) if offsets else None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
@@ -100,12 +138,7 @@ class AttentionMask:
   # ------------------------------------------------------------------ rows
   def _right_offset(self) -> int | None:
     """Largest ``s - t`` that is visible, or None when unbounded."""
-    offsets = []
-    if self.is_causal:
-      offsets.append(0)
-    if self.window is not None:
-      offsets.append(self.window[1])
-    return min(offsets) if offsets else None
+    return _right_offset(self.is_causal, self.window)
 
   def _per_row(self, x: Array | None, ndim: int) -> Array | None:
     """``[B]`` -> ``[B, 1, ...]`` with ``ndim`` dims (None stays None)."""
@@ -119,20 +152,12 @@ class AttentionMask:
     broadcasts it against the lengths.  Empty rows get ``lo >= hi``.
     """
     q_idx = jnp.asarray(q_idx, jnp.int32)
-    lo = jnp.zeros_like(q_idx)
-    if self.window is not None:
-      lo = jnp.maximum(lo, q_idx - self.window[0])
-    hi = jnp.full_like(q_idx, self.kv_len)
-    if self.kv_lengths is not None:
-      hi = jnp.minimum(hi, self._per_row(self.kv_lengths, q_idx.ndim))
-    right = self._right_offset()
-    if right is not None:
-      hi = jnp.minimum(hi, q_idx + right + 1)
-    q_valid = q_idx < self.q_len
-    if self.q_lengths is not None:
-      q_valid &= q_idx < self._per_row(self.q_lengths, q_idx.ndim)
-    lo, hi = jnp.broadcast_arrays(lo, hi)
-    return lo, jnp.where(q_valid, hi, lo)
+    lo, hi = row_bounds(
+        q_idx, q_len=self.q_len, kv_len=self.kv_len,
+        is_causal=self.is_causal, window=self.window,
+        q_length=self._per_row(self.q_lengths, q_idx.ndim),
+        kv_length=self._per_row(self.kv_lengths, q_idx.ndim))
+    return jnp.broadcast_arrays(lo, hi)
 
   def has_structural_part_only(self) -> bool:
     """True when only causal/window/lengths are set (no segments, no dense)."""
