@@ -1,0 +1,181 @@
+"""The implementations the grid compares, as attention functions of a cell.
+
+Each implementation turns a :class:`~benchmarks.cells.Cell` into
+``attend(q, k, v, segment_ids) -> out`` (``segment_ids`` is None or int32
+``[B, S]``), or raises :class:`Unsupported` when it cannot express the cell
+at all; errors raised while tracing, compiling or running are the grid's to
+record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.cells import Cell
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None],
+                  jax.Array]
+
+
+class Unsupported(Exception):
+  """The implementation has no way to express this cell."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """A named implementation.
+
+  Attributes:
+    name: the column name in the results.
+    build: ``cell -> attend``; may raise :class:`Unsupported`.
+    note: what exactly is called, for the results' metadata.
+  """
+
+  name: str
+  build: Callable[[Cell], Attend]
+  note: str
+
+
+def _jflash(backend: str | None) -> Callable[[Cell], Attend]:
+  def build(cell: Cell) -> Attend:
+    import jflash
+
+    def attend(q, k, v, segment_ids):
+      return jflash.dot_product_attention(
+          q, k, v, is_causal=cell.causal,
+          local_window_size=cell.local_window_size, segment_ids=segment_ids,
+          implementation=backend)
+    return attend
+  return build
+
+
+def _segment_mask(segment_ids: jax.Array) -> jax.Array:
+  """``[B, 1, S, S]`` bool: same segment."""
+  return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def _jax_nn(implementation: str, max_logits_gib: float
+            ) -> Callable[[Cell], Attend]:
+  def build(cell: Cell) -> Attend:
+    if cell.segments and implementation == "cudnn":
+      raise Unsupported("jax.nn has no segment ids, and its cuDNN path is "
+                        "not given a dense mask here")
+    if cell.segments:
+      gib = (cell.batch * cell.num_heads * cell.seq_len ** 2 * 4) / 2 ** 30
+      if gib > max_logits_gib:
+        raise Unsupported(f"segments as a dense mask: float32 logits of "
+                          f"{gib:.0f} GiB exceed --xla-max-logits-gib")
+
+    def attend(q, k, v, segment_ids):
+      mask = None if segment_ids is None else _segment_mask(segment_ids)
+      return jax.nn.dot_product_attention(
+          q, k, v, mask=mask, is_causal=cell.causal,
+          local_window_size=cell.local_window_size,
+          implementation=implementation)
+    return attend
+  return build
+
+
+def tokamax_module():
+  """``tokamax`` when it can be imported, else None (it is optional)."""
+  try:
+    return importlib.import_module("tokamax")
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _tokamax(cell: Cell) -> Attend:
+  tokamax = tokamax_module()
+  if tokamax is None:
+    raise Unsupported("tokamax is not installed (pip install "
+                      "'jflash[tokamax]')")
+  if cell.segments:
+    raise Unsupported("tokamax has no segment ids on the GPU")
+  extra = {}
+  if cell.window is not None:
+    extra["local_window_size"] = cell.local_window_size
+
+  def attend(q, k, v, segment_ids):
+    del segment_ids
+    return tokamax.dot_product_attention(q, k, v, is_causal=cell.causal,
+                                         **extra)
+  return attend
+
+
+def _jflash_backend_name(text: str) -> str | None:
+  return None if text in ("", "default", "none", "None") else text
+
+
+def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
+               max_logits_gib: float = 64.0) -> list[Impl]:
+  """The implementations named in ``names``.
+
+  Names: ``jflash`` (backend ``jflash_impl``; ``default`` lets jflash
+  choose), ``jflash:<backend>`` for a specific backend, ``jax_nn_cudnn``,
+  ``jax_nn_xla``, ``tokamax``.
+  """
+  impls = []
+  for name in names:
+    if name == "jflash" or name.startswith("jflash:"):
+      backend = _jflash_backend_name(
+          name.partition(":")[2] if ":" in name else jflash_impl)
+      impls.append(Impl(name, _jflash(backend),
+                        f"jflash.dot_product_attention(implementation="
+                        f"{backend!r})"))
+    elif name in ("jax_nn_cudnn", "jax_nn_xla"):
+      which = name.rpartition("_")[2]
+      impls.append(Impl(name, _jax_nn(which, max_logits_gib),
+                        f"jax.nn.dot_product_attention(implementation="
+                        f"{which!r})"))
+    elif name == "tokamax":
+      impls.append(Impl(name, _tokamax,
+                        "tokamax.dot_product_attention (default choice)"))
+    else:
+      raise ValueError(f"unknown implementation {name!r}; known: jflash, "
+                       "jflash:<backend>, jax_nn_cudnn, jax_nn_xla, tokamax")
+  return impls
+
+
+def default_impl_names() -> list[str]:
+  """jflash, both jax.nn paths, and tokamax when it is installed."""
+  names = ["jflash", "jax_nn_cudnn", "jax_nn_xla"]
+  if tokamax_module() is not None:
+    names.append("tokamax")
+  return names
+
+
+def pass_function(attend: Attend, pass_name: str) -> Callable:
+  """The jitted function timed for a pass, ``f(q, k, v, segment_ids, ct)``.
+
+  ``fwd`` returns ``(out,)``; ``fwdbwd`` returns ``(out, dq, dk, dv)`` from
+  ``jax.vjp`` applied to the cotangent ``ct``.
+  """
+  if pass_name == "fwd":
+    def fwd(q, k, v, segment_ids, ct):
+      del ct
+      return (attend(q, k, v, segment_ids),)
+    return jax.jit(fwd)
+  if pass_name == "fwdbwd":
+    def fwdbwd(q, k, v, segment_ids, ct):
+      out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids),
+                              q, k, v)
+      return (out,) + tuple(pullback(ct.astype(out.dtype)))
+    return jax.jit(fwdbwd)
+  raise ValueError(f"unknown pass {pass_name!r}")
+
+
+def random_inputs(key: jax.Array, cell: Cell, dtype) -> tuple[jax.Array, ...]:
+  """Fresh standard-normal ``q, k, v`` and cotangent, in ``dtype``."""
+  kq, kk, kv, kc = jax.random.split(key, 4)
+  q_shape = (cell.batch, cell.seq_len, cell.num_heads, cell.head_dim)
+  kv_shape = (cell.batch, cell.seq_len, cell.kv_heads, cell.head_dim)
+
+  def normal(k, shape):
+    return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+  return (normal(kq, q_shape), normal(kk, kv_shape), normal(kv, kv_shape),
+          normal(kc, q_shape))

@@ -1,0 +1,132 @@
+"""The benchmark grid's core on tiny cells (CPU): FLOP counting, the checked
+and timed rows, and the written results."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import check, grid, impls, report
+from benchmarks.cells import (FULL, TINY, Cell, count_visible_bruteforce,
+                              dense_flops, filter_cells, forward_flops,
+                              make_segment_ids, visible_pairs)
+from benchmarks.timing import TimerConfig
+from jflash.masks import AttentionMask
+
+FAST = TimerConfig(calls=2, repeats=2, warmup=1, max_seconds=1.0)
+
+
+def _materialized_count(cell, seg):
+  seg = None if seg is None else jnp.asarray(seg)
+  mask = AttentionMask(batch=cell.batch, q_len=cell.seq_len,
+                       kv_len=cell.seq_len, is_causal=cell.causal,
+                       window=cell.local_window_size, q_segment_ids=seg,
+                       kv_segment_ids=seg)
+  return int(mask.visibility().sum())
+
+
+@pytest.mark.parametrize("cell,segments", [
+    (Cell(2, 50, 2, 8, causal=False), False),
+    (Cell(2, 50, 2, 8, causal=True), False),
+    (Cell(1, 70, 2, 8, causal=True, window=16), False),
+    (Cell(1, 10, 2, 8, causal=True, window=16), False),
+    (Cell(3, 70, 2, 8, causal=False, segments=5), True),
+    (Cell(2, 70, 2, 8, causal=True, segments=4), True),
+    (Cell(2, 70, 2, 8, causal=True, window=7, segments=3), True),
+])
+def test_visible_pairs_match_the_mask(cell, segments):
+  seg = (make_segment_ids(np.random.default_rng(1), cell.batch, cell.seq_len,
+                          cell.segments) if segments else None)
+  expected = _materialized_count(cell, seg)
+  assert visible_pairs(cell, seg) == expected
+  assert count_visible_bruteforce(cell, seg, chunk=16) == expected
+
+
+def test_segment_ids_are_packed_and_sum_to_length():
+  seg = make_segment_ids(np.random.default_rng(0), 3, 100, 8)
+  for row in seg:
+    lengths = np.bincount(row)
+    assert len(lengths) == 8 and lengths.min() >= 1 and lengths.sum() == 100
+    assert np.all(np.diff(row) >= 0)
+
+
+def test_flop_convention():
+  dense = Cell(16, 1024, 16, 128, causal=False)
+  assert dense_flops(dense) == 4 * 16 * 16 * 1024 * 1024 * 128
+  causal = Cell(16, 1024, 16, 128, causal=True)
+  assert forward_flops(causal) == dense_flops(dense) / 2
+  window = Cell(1, 16384, 16, 128, causal=True, window=1024)
+  pairs = visible_pairs(window)
+  assert pairs == 1025 * 1026 // 2 + (16384 - 1025) * 1025
+  assert forward_flops(window, pairs) == 4 * 16 * 128 * pairs
+  assert dense_flops(window) == 4 * 16 * 16384 ** 2 * 128 / 2
+
+
+def test_grid_definitions_and_filter():
+  cells = FULL.cells()
+  assert len(cells) == 20
+  for c in cells:
+    assert c.batch * c.seq_len == 16384 and c.num_heads * c.head_dim == 2048
+  assert {c.kind for c in cells} == {"dense", "window", "segments"}
+  picked = filter_cells(cells, "H=128,S=16384")
+  assert {c.name for c in picked} == {
+      "S16384-H128-full", "S16384-H128-causal", "S16384-H128-causal-w1024",
+      "S16384-H128-full-seg8"}
+  assert len(filter_cells(cells, "S=1024,S=4096,causal=1")) == 6
+  assert [c.kind for c in filter_cells(cells, "kind=window")] == ["window"]
+  with pytest.raises(ValueError):
+    filter_cells(cells, "Q=1")
+  assert len(TINY.quick_cells()) == 5
+
+
+def test_runner_rows_checked_and_timed(tmp_path):
+  chosen = impls.make_impls(["jflash:xla", "jax_nn_xla", "jax_nn_cudnn"])
+  runner = grid.CellRunner(chosen, FAST, dtype=jnp.float32, input_sets=2,
+                           seed=3)
+  cells = [Cell(2, 64, 2, 16, causal=True, window=16),
+           Cell(1, 64, 2, 16, causal=False, segments=3)]
+  rows = [r for i, c in enumerate(cells) for r in runner.run(c, i)]
+  assert [(r["name"], r["pass"]) for r in rows] == [
+      ("S64-H16-causal-w16", "fwd"), ("S64-H16-causal-w16", "fwdbwd"),
+      ("S64-H16-full-seg3", "fwd"), ("S64-H16-full-seg3", "fwdbwd")]
+  for row in rows:
+    cell = cells[0] if row["kind"] == "window" else cells[1]
+    factor = 1.0 if row["pass"] == "fwd" else 3.5
+    assert row["flops"] == pytest.approx(
+        factor * 4 * cell.num_heads * cell.head_dim * row["visible_pairs"])
+    for name in ("jflash:xla", "jax_nn_xla"):
+      e = row["impls"][name]
+      assert e["tflops"] == pytest.approx(
+          row["flops"] / (e["ms"] * 1e-3) / 1e12)
+      assert e["tflops_dense_equiv"] > e["tflops"]
+      want = ["out"] if row["pass"] == "fwd" else list(check.QUANTITIES)
+      assert list(e["errors"]) == want
+      assert max(e["errors"].values()) < 1e-5
+      assert e["calls"] == 2 and len(e["ms_groups"]) == 2
+    cudnn = row["impls"]["jax_nn_cudnn"]
+    assert ("unsupported" if row["kind"] == "segments" else "error") in cudnn
+  assert rows[2]["segment_lengths"][0] and sum(
+      rows[2]["segment_lengths"][0]) == 64
+
+  doc = dict(meta=dict(report.run_metadata("abc123"), dtype="float32",
+                       timer=FAST.describe(), input_sets=2,
+                       impls=[i.name for i in chosen]), rows=rows)
+  assert doc["meta"]["commit"] == "abc123"
+  report.write_outputs(doc, tmp_path, png=False)
+  loaded = json.loads((tmp_path / "grid.json").read_text())
+  assert loaded["rows"][1]["impls"]["jflash:xla"]["errors"]["dv"] < 1e-5
+  md = (tmp_path / "grid.md").read_text()
+  assert "| `S64-H16-full-seg3` B=1 N=2 |" in md and "n/a" in md
+
+
+def test_ratio_to_cudnn():
+  row = {"impls": {
+      "jax_nn_cudnn": {"errors": {"out": 2e-3, "dq": 4e-3}},
+      "jflash": {"errors": {"out": 2e-3, "dq": 8e-3}},
+      "other": {"error": "boom"}}}
+  grid._add_ratios(row)
+  j = row["impls"]["jflash"]
+  assert j["ratio_to_cudnn"] == {"out": 1.0, "dq": 2.0}
+  assert j["max_ratio_to_cudnn"] == 2.0 and j["accuracy_ok"] is False
+  assert row["impls"]["jax_nn_cudnn"]["accuracy_ok"] is True
