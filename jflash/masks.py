@@ -439,3 +439,69 @@ def static_description(mask: AttentionMask) -> dict[str, Any]:
               kv_lengths=mask.kv_lengths is not None,
               segment_ids=mask.q_segment_ids is not None,
               dense=None if mask.dense is None else tuple(mask.dense.shape))
+
+
+# ------------------------------------------------------ kernel-side helpers
+def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
+                  q_length: Array | None = None,
+                  kv_length: Array | None = None,
+                  q_segment_ids: Array | None = None,
+                  kv_segment_ids: Array | None = None) -> Array:
+  """Element visibility for one batch row, from data a kernel holds.
+
+  The same rule as :meth:`AttentionMask.block_visibility` (through
+  :func:`row_bounds`), for code that has already cut one batch row's
+  per-position data to a tile (a Pallas kernel step) and works with explicit
+  position arrays in any orientation.
+
+  Args:
+    mask: supplies the static rules (``q_len``, ``kv_len``, ``is_causal``,
+      ``window``); its array fields are ignored.
+    q_idx, kv_idx: int32 absolute query / key positions; they broadcast
+      against each other (e.g. ``[bq, bk]`` iotas, or ``[bk, bq]`` for a
+      transposed tile).
+    q_length, kv_length: this row's sequence lengths (int32 scalars), or
+      None when the call has none.
+    q_segment_ids, kv_segment_ids: this row's segment ids at ``q_idx`` /
+      ``kv_idx`` (broadcastable to the result), or None when the call has
+      none; both or neither.
+
+  Returns:
+    bool array of the broadcast shape of ``q_idx`` and ``kv_idx``.
+  """
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids go together")
+  lo, hi = row_bounds(q_idx, q_len=mask.q_len, kv_len=mask.kv_len,
+                      is_causal=mask.is_causal, window=mask.window,
+                      q_length=q_length, kv_length=kv_length)
+  vis = (kv_idx >= lo) & (kv_idx < hi)
+  if q_segment_ids is not None:
+    vis = vis & (q_segment_ids == kv_segment_ids)
+  return vis
+
+
+def max_visited_blocks(mask: AttentionMask, block_q: int,
+                       block_kv: int) -> tuple[int, int]:
+  """Static upper bounds on the nonempty tiles of one tile row and column.
+
+  Returns ``(per_q_block, per_kv_block)``: no query block has more than
+  ``per_q_block`` nonempty key blocks in :func:`tile_classes`, and no key
+  block more than ``per_kv_block`` nonempty query blocks, whatever the
+  array fields hold.  Only a window bounds them below the full
+  ``ceil(S / block_kv)`` and ``ceil(T / block_q)``: query ``t`` sees keys in
+  ``[t - left, t + right']`` (``right'`` the window's right side, or 0 with
+  ``is_causal``), so a query block spans ``block_q + left + right'`` key
+  positions, which touch at most ``(span - 2) // block_kv + 2`` key blocks
+  (and symmetrically for a key block).  A kernel can size its loop over
+  visited tiles with these instead of the full tile counts.
+  """
+  if block_q < 1 or block_kv < 1:
+    raise ValueError(f"block sizes must be positive, got {block_q}, {block_kv}")
+  num_q, num_kv = _cdiv(mask.q_len, block_q), _cdiv(mask.kv_len, block_kv)
+  right = mask._right_offset()
+  if mask.window is None or right is None:
+    return num_kv, num_q
+  width = mask.window[0] + right  # visible offsets s - t span width + 1
+  per_q = (block_q + width - 2) // block_kv + 2
+  per_kv = (block_kv + width - 2) // block_q + 2
+  return min(per_q, num_kv), min(per_kv, num_q)
