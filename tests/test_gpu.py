@@ -37,6 +37,18 @@ class TestCudnnGpu(conformance.AttentionConformance):
     return case.query.shape[-3] % 2 == 1 or case.key.shape[-3] % 2 == 1
 
 
+class TestMosaicGpu(conformance.AttentionConformance):
+  """The Hopper kernels: every visibility rule, soft cap, GQA, odd lengths
+  and head dims, in bfloat16 and float16."""
+
+  implementation = "mosaic_gpu"
+  dtypes = (jnp.bfloat16, jnp.float16)
+  supports_bias = False
+  supports_dense_mask = False
+  # Not a multiple of any block size, and several tiles of 64 and 128.
+  feature_len = 301
+
+
 class TestXlaGpu(conformance.AttentionConformance):
   """The fallback on the GPU (float32 matmuls at HIGHEST precision)."""
 

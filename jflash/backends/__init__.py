@@ -12,15 +12,13 @@ import jax
 
 from jflash.backends.base import AttentionCall, Backend, Unavailable
 from jflash.backends.cudnn import CudnnBackend
+from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
+from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
 from jflash.backends.xla import XlaBackend, XlaConfig
 
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
-    "mosaic_gpu": Unavailable(
-        "mosaic_gpu", "the Hopper (Pallas Mosaic GPU) kernels are not "
-        "built yet; use 'cudnn' or 'xla'"),
-    "mosaic_tpu": Unavailable(
-        "mosaic_tpu", "the TPU (Pallas Mosaic TPU) kernels are not built "
-        "yet; use 'xla'"),
+    "mosaic_gpu": MosaicGpuBackend(),
+    "mosaic_tpu": MosaicTpuBackend(),
     "cudnn": CudnnBackend(),
     "xla": XlaBackend(),
 })
@@ -38,5 +36,6 @@ def default_order(platform: str | None = None) -> tuple[str, ...]:
   return ("xla",)
 
 
-__all__ = ["AttentionCall", "Backend", "BACKENDS", "XlaBackend", "XlaConfig",
+__all__ = ["AttentionCall", "Backend", "BACKENDS", "MosaicGpuBackend",
+           "MosaicGpuConfig", "XlaBackend", "XlaConfig",
            "default_order"]

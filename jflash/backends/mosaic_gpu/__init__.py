@@ -1,0 +1,245 @@
+"""``mosaic_gpu``: FlashAttention kernels for Hopper GPUs in Pallas Mosaic GPU.
+
+Serves bfloat16/float16 calls on compute capability 9.x with every
+visibility rule (causal, windows, lengths, segment ids), GQA/MQA, soft cap
+and any sequence lengths; head dims up to 256 run at 64, 128 or 256 (zero
+padded).  It declines (``NotImplementedError``) float32 inputs, a dense
+``bias`` or ``mask``, and interpret mode; the next backend serves those.
+
+The forward saves the float32 logsumexp; the backward
+(:mod:`~jflash.backends.mosaic_gpu.backward`) recomputes probabilities from
+it in a dQ kernel and a dK/dV kernel, without atomics, so reruns are
+bitwise identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jflash import masks
+from jflash.backends.base import AttentionCall
+from jflash.backends.mosaic_gpu import backward, forward
+from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
+                                               MaskSpec)
+from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
+                                               default_config,
+                                               padded_head_dim)
+
+Array = jax.Array
+
+__all__ = ["MosaicGpuBackend", "MosaicGpuConfig", "default_config"]
+
+
+def _decline(reason: str):
+  raise NotImplementedError(f"mosaic_gpu: {reason}")
+
+
+def _is_hopper() -> bool:
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return False
+  capability = getattr(device, "compute_capability", "")
+  return device.platform == "gpu" and str(capability).startswith("9")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one call (a ``nondiff_argnums`` entry)."""
+
+  spec: MaskSpec
+  logits: LogitTransform
+  config: MosaicGpuConfig  # resolved
+  head_dim: int  # unpadded
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBackend:
+  """The Hopper kernels, optionally with explicit block sizes.
+
+  Example::
+
+    backend = MosaicGpuBackend(MosaicGpuConfig(block_kv=64))
+    jflash.dot_product_attention(q, k, v, implementation=backend)
+  """
+
+  config: MosaicGpuConfig = MosaicGpuConfig()
+  name: str = "mosaic_gpu"
+
+  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    if call.interpret:
+      _decline("its wgmma kernels cannot run in Pallas interpret mode on the "
+               "CPU")
+    if not _is_hopper():
+      _decline("needs a Hopper GPU (compute capability 9.x)")
+    if call.dtype not in (jnp.bfloat16, jnp.float16):
+      _decline(f"computes in bfloat16/float16 only, got {call.dtype} (the "
+               "xla backend serves float32 exactly)")
+    head_dim = call.query.shape[-1]
+    if head_dim > 256:
+      _decline(f"head dim {head_dim} is above 256")
+    if call.bias is not None:
+      _decline("a bias is not supported (the xla backend serves it)")
+    if call.mask.dense is not None:
+      _decline("a dense boolean mask is not supported (use segment_ids, "
+               "lengths or windows; the xla backend serves dense masks)")
+    plan = _Plan(spec=MaskSpec.of(call.mask),
+                 logits=LogitTransform(float(call.scale),
+                                       call.logits_soft_cap),
+                 config=self.config.resolved(head_dim), head_dim=head_dim)
+    return _attention(call.query, call.key, call.value, call.mask, plan)
+
+
+# ------------------------------------------------------------------ layout
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _pad_axis(x: Array, axis: int, size: int) -> Array:
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+  q_pad: int
+  kv_pad: int
+  head_pad: int
+
+
+def _padding(mask: masks.AttentionMask, plan: _Plan) -> _Padded:
+  c = plan.config
+  q_multiple = max(2 * c.block_q, 2 * c.block_q_dq, c.block_q_dkv)
+  kv_multiple = max(c.block_kv, c.block_kv_dq, 2 * c.block_kv_dkv)
+  return _Padded(_round_up(mask.q_len, q_multiple),
+                 _round_up(mask.kv_len, kv_multiple),
+                 padded_head_dim(plan.head_dim))
+
+
+def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
+  segments = {}
+  if mask.q_segment_ids is not None:
+    segments = dict(
+        q_segments=_pad_axis(mask.q_segment_ids, 1, pads.q_pad),
+        kv_segments=_pad_axis(mask.kv_segment_ids, 1, pads.kv_pad))
+  return dict(q_lengths=mask.q_lengths, kv_lengths=mask.kv_lengths,
+              q_segments=segments.get("q_segments"),
+              kv_segments=segments.get("kv_segments"))
+
+
+def _classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
+             pads: _Padded) -> Array:
+  """int32 tile classes covering the padded extent (extra tiles EMPTY)."""
+  classes = masks.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
+  classes = _pad_axis(classes, 1, pads.q_pad // block_q)
+  return _pad_axis(classes, 2, pads.kv_pad // block_kv)
+
+
+def _kv_schedule(mask, block_q, block_kv, pads):
+  """Per ``block_q`` query rows: nonempty key tiles first, and their count."""
+  sched = masks.tile_schedule(mask, block_q, block_kv)
+  order = _pad_axis(_pad_axis(sched.kv_order, 1, pads.q_pad // block_q), 2,
+                    pads.kv_pad // block_kv)
+  return order, _pad_axis(sched.kv_count, 1, pads.q_pad // block_q)
+
+
+def _q_schedule(mask, block_q, block_kv, pads):
+  """Per ``block_kv`` keys: nonempty query tiles first, and their count."""
+  sched = masks.tile_schedule(mask, block_q, block_kv)
+  order = _pad_axis(_pad_axis(sched.q_order, 1, pads.kv_pad // block_kv), 2,
+                    pads.q_pad // block_q)
+  return order, _pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
+
+
+def _pad_inputs(q, k, v, pads: _Padded):
+  q = _pad_axis(_pad_axis(q, 1, pads.q_pad), 3, pads.head_pad)
+  k = _pad_axis(_pad_axis(k, 1, pads.kv_pad), 3, pads.head_pad)
+  v = _pad_axis(_pad_axis(v, 1, pads.kv_pad), 3, pads.head_pad)
+  return q, k, v
+
+
+# ---------------------------------------------------------------- passes
+def _forward(q, k, v, mask, plan: _Plan):
+  """(out [B, T, N, H], lse [B, N, Tp] float32 natural log)."""
+  c = plan.config
+  pads = _padding(mask, plan)
+  qp, kp, vp = _pad_inputs(q, k, v, pads)
+  order, count = _kv_schedule(mask, 2 * c.block_q, c.block_kv, pads)
+  out, lse = forward.forward_kernel_call(
+      qp, kp, vp, kv_order=order, kv_count=count,
+      classes=_classes(mask, c.block_q, c.block_kv, pads),
+      **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
+      block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
+  return out[:, :mask.q_len, :, :plan.head_dim], lse
+
+
+def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
+  c = plan.config
+  pads = _padding(mask, plan)
+  qp, kp, vp = _pad_inputs(q, k, v, pads)
+  dop = _pad_axis(_pad_axis(d_out.astype(q.dtype), 1, pads.q_pad), 3,
+                  pads.head_pad)
+  # delta = rowsum(dO * O) - dlse, in float32, [B, N, Tp].
+  delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  delta = _pad_axis(delta - jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2), 2,
+                    pads.q_pad)
+  # Base-2 logsumexp; +inf for rows that see nothing, so that their
+  # recomputed probabilities are exp2(-inf) == 0.
+  lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+  stats = jnp.stack([lse2, delta], axis=2)  # [B, N, 2, Tp]
+  extras = _mask_inputs(mask, pads)
+  common_args = dict(spec=plan.spec, logits=plan.logits, **extras)
+  order, count = _kv_schedule(mask, 2 * c.block_q_dq, c.block_kv_dq, pads)
+  dq = backward.dq_kernel_call(
+      qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
+      classes=_classes(mask, c.block_q_dq, c.block_kv_dq, pads),
+      block_q=c.block_q_dq, block_kv=c.block_kv_dq, stages=c.stages_bwd,
+      **common_args)
+  order, count = _q_schedule(mask, c.block_q_dkv, 2 * c.block_kv_dkv, pads)
+  dkv_args = dict(q_order=order, q_count=count,
+                  classes=_classes(mask, c.block_q_dkv, c.block_kv_dkv, pads),
+                  block_q=c.block_q_dkv, block_kv=c.block_kv_dkv,
+                  stages=c.stages_bwd, **common_args)
+  if pads.head_pad <= 128:
+    dk, dv = backward.dkv_kernel_call(qp, kp, vp, dop, stats, **dkv_args)
+  else:  # dK and dV accumulators do not fit in registers together
+    dk, _ = backward.dkv_kernel_call(qp, kp, vp, dop, stats, want_dv=False,
+                                     **dkv_args)
+    _, dv = backward.dkv_kernel_call(qp, kp, vp, dop, stats, want_dk=False,
+                                     **dkv_args)
+  t, s, h = mask.q_len, mask.kv_len, plan.head_dim
+  return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
+
+
+def _natural_lse(lse, mask):
+  """[B, N, Tp] -> [B, T, N]."""
+  return jnp.swapaxes(lse[:, :, :mask.q_len], 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, mask, plan):
+  out, lse = _forward(q, k, v, mask, plan)
+  return out, _natural_lse(lse, mask)
+
+
+def _attention_fwd(q, k, v, mask, plan):
+  out, lse = _forward(q, k, v, mask, plan)
+  return (out, _natural_lse(lse, mask)), (q, k, v, mask, out, lse)
+
+
+def _attention_bwd(plan, residuals, cotangents):
+  q, k, v, mask, out, lse = residuals
+  d_out, d_lse = cotangents
+  dq, dk, dv = _backward(q, k, v, out, lse, d_out, d_lse, mask, plan)
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

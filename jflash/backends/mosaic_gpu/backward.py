@@ -1,0 +1,426 @@
+"""Hopper backward kernels: dQ, and dK/dV, with no atomics.
+
+Both recompute the probabilities from the saved logsumexp.  With ``s`` the
+base-2 logits of :class:`~jflash.backends.mosaic_gpu.common.LogitTransform`
+and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
+``dS = P * (dO V^T - delta)`` (times the soft cap's derivative), where
+``delta = rowsum(dO * O) - dlse`` folds in the logsumexp's own cotangent.
+
+* dQ: one CTA per (head, ``2 * block_q`` query rows, batch row); two consumer
+  warpgroups keep ``dQ`` for their rows in registers while a producer streams
+  the row block's nonempty K/V tiles, exactly as the forward does.
+* dK/dV: one CTA per (key/value head, ``2 * block_kv`` keys, batch row); two
+  consumer warpgroups keep ``dK`` and ``dV`` of their keys in registers while
+  the producer streams Q, dO and the row statistics of every query head of
+  the GQA group over the key block's nonempty query tiles.  Summing the group
+  inside one CTA, in a fixed order, makes the result deterministic without
+  materializing repeated K/V.  At head dim 256 the two accumulators do not
+  fit in registers together; the kernel then runs twice, once per output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jflash import masks
+from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
+                                               broadcast_cols, broadcast_rows)
+
+Array = jax.Array
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+def _optional(**arrays):
+  names = [n for n, x in arrays.items() if x is not None]
+  return names, [arrays[n] for n in names]
+
+
+def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
+                   kv_order: Array, kv_count: Array, classes: Array,
+                   q_lengths: Array | None, kv_lengths: Array | None,
+                   q_segments: Array | None, kv_segments: Array | None,
+                   spec: MaskSpec, logits: LogitTransform, block_q: int,
+                   block_kv: int, stages: int) -> Array:
+  """dQ on padded inputs (layouts as in
+  :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
+
+  Args:
+    stats: float32 ``[B, N, 2, Tp]``: the base-2 logsumexp (``+inf`` for
+      rows that see nothing) and ``delta``.
+
+  Returns:
+    ``dq [B, Tp, N, Hp]`` in the input dtype.
+  """
+  batch, q_pad, num_heads, head_dim = q.shape
+  group = num_heads // k.shape[2]
+  dtype = q.dtype
+  tile = (block_q, block_kv)
+  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            q_segments=q_segments, kv_segments=kv_segments)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+             class_ref, *rest):
+    named = dict(zip(names, rest[:len(names)]))
+    (dq_ref,) = rest[len(names):]
+    b = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    q_block = lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
+    q_length = common.scalar_or_none(named.get("q_lengths"), b)
+    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+    q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
+
+    def body(q_smem2, do_smem2, stats_smem2, qseg_smem2, k_smem, v_smem,
+             kvseg_smem, q_ready, k_ready, v_ready, kvseg_ready, k_free,
+             v_free):
+
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        my_block = q_block * 2 + wg
+        q_base = my_block * block_q
+        rows = pl.ds(q_base, block_q)
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem,
+                                q_ready.at[4 * wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem,
+                                q_ready.at[4 * wg + 1])
+        plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
+                                stats_smem2.at[wg], q_ready.at[4 * wg + 2])
+        q_seg = None
+        if q_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem2.at[wg],
+                                  q_ready.at[4 * wg + 3])
+          plgpu.barrier_wait(q_ready.at[4 * wg + 3])
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+                                 tile)
+        for j in range(3):
+          plgpu.barrier_wait(q_ready.at[4 * wg + j])
+        lse2 = broadcast_rows(
+            plgpu.load(stats_smem2.at[wg, 0], layout=_ROW), tile)
+        delta = broadcast_rows(
+            plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
+
+        def step(i, dq):
+          slot = lax.rem(i, stages)
+          kv_tile = tile_at(i)
+          plgpu.barrier_wait(k_ready.at[slot])
+          kv_seg = None
+          if kv_seg_ref is not None:
+            plgpu.barrier_wait(kvseg_ready.at[slot])
+            kv_seg = broadcast_cols(
+                plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+
+          def qk_product(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          s = logits(pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32)))
+          full = class_ref[b, my_block, kv_tile] == masks.FULL
+
+          def masked(s):
+            q_ids = plgpu.broadcasted_iota(
+                jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + q_base
+            kv_ids = plgpu.broadcasted_iota(
+                jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + (
+                    kv_tile * block_kv)
+            visible = spec.tile_visibility(q_ids, kv_ids, q_length, kv_length,
+                                           q_seg, kv_seg)
+            return jnp.where(visible, s, -jnp.inf)
+          p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
+          plgpu.barrier_wait(v_ready.at[slot])
+
+          def dp_product(acc_ref):
+            plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+          plgpu.barrier_arrive(v_free.at[slot])
+          ds = p * (dp - delta)
+          derivative = logits.derivative(s)
+          if derivative is not None:
+            ds = ds * derivative
+
+          def dq_product(acc_ref):
+            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+          dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
+          plgpu.barrier_arrive(k_free.at[slot])
+          return dq
+
+        dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                               plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, count, step, dq)
+        q_smem[...] = (dq * logits.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, group)
+        _stream_kv(count, tile_at, stages, block_kv,
+                   [(k_ref, k_smem, k_ready, k_free, kv_head),
+                    (v_ref, v_smem, v_ready, v_free, kv_head)],
+                   b, kv_seg_ref, kvseg_smem, kvseg_ready)
+
+    segments = spec.has_segments
+    pl.run_scoped(
+        body,
+        common.smem_tile((2, block_q, head_dim), dtype),
+        common.smem_tile((2, block_q, head_dim), dtype),
+        plgpu.SMEM((2, 2, block_q), jnp.float32),
+        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+        common.smem_tile((stages, block_kv, head_dim), dtype),
+        common.smem_tile((stages, block_kv, head_dim), dtype),
+        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
+        plgpu.Barrier(num_barriers=8),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages) if segments else None,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(num_heads, q_pad // (2 * block_q), batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, stats, kv_order, kv_count, classes, *extras)
+
+
+def _stream_kv(count, tile_at, stages, block, streams, b, seg_ref, seg_smem,
+               seg_ready):
+  """Producer loop: for step ``i`` copy tile ``tile_at(i)`` of every stream
+  ``(gmem_ref, smem_ring, ready, free, head)`` into slot ``i % stages``,
+  after the consumers released that slot."""
+
+  @pl.loop(0, count)
+  def _load(i):
+    slot = lax.rem(i, stages)
+    rows = pl.ds(tile_at(i) * block, block)
+    for n, (ref, smem, ready, free, head) in enumerate(streams):
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      plgpu.copy_gmem_to_smem(ref.at[b, rows, head], smem.at[slot],
+                              ready.at[slot])
+      if n == 0 and seg_ref is not None:
+        plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], seg_smem.at[slot],
+                                seg_ready.at[slot])
+
+
+def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
+                    q_order: Array, q_count: Array, classes: Array,
+                    q_lengths: Array | None, kv_lengths: Array | None,
+                    q_segments: Array | None, kv_segments: Array | None,
+                    spec: MaskSpec, logits: LogitTransform, block_q: int,
+                    block_kv: int, stages: int, want_dk: bool = True,
+                    want_dv: bool = True) -> tuple[Array | None, Array | None]:
+  """dK and dV on padded inputs.
+
+  Args:
+    q_order, q_count: the tile schedule at ``2 * block_kv`` keys per key
+      block, ``[B, Sp / (2 block_kv), Tp / block_q]`` and ``[B, Sp / (2
+      block_kv)]``.
+    classes: int32 tile classes ``[B, Tp / block_q, Sp / block_kv]``.
+    want_dk, want_dv: which outputs to compute (both by default).
+
+  Returns:
+    ``(dk, dv)``, each ``[B, Sp, K, Hp]`` in the input dtype, or None where
+    not wanted.
+  """
+  batch, q_pad, num_heads, head_dim = q.shape
+  kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  dtype = q.dtype
+  tile = (block_kv, block_q)  # transposed: keys are the rows here
+  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            q_segments=q_segments, kv_segments=kv_segments)
+  outputs = [n for n, want in (("dk", want_dk), ("dv", want_dv)) if want]
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+             class_ref, *rest):
+    named = dict(zip(names, rest[:len(names)]))
+    out_refs = dict(zip(outputs, rest[len(names):]))
+    b = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    kv_block = lax.axis_index("kv_seq")
+    wg = lax.axis_index("wg")
+    count, tile_at = common.schedule_row(order_ref, count_ref, b, kv_block)
+    steps = count * group
+    q_length = common.scalar_or_none(named.get("q_lengths"), b)
+    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+    q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
+
+    def head_and_tile(i):
+      # Step i visits query head kv_head * group + i // count, tile i % count.
+      return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
+
+    def body(k_smem2, v_smem2, kvseg_smem2, q_smem, do_smem, stats_smem,
+             qseg_smem, kv_ready, q_ready, do_ready, stats_ready, qseg_ready,
+             q_free, do_free):
+
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        my_block = kv_block * 2 + wg
+        kv_base = my_block * block_kv
+        rows = pl.ds(kv_base, block_kv)
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem,
+                                kv_ready.at[3 * wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem,
+                                kv_ready.at[3 * wg + 1])
+        kv_seg = None
+        if kv_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kvseg_smem2.at[wg],
+                                  kv_ready.at[3 * wg + 2])
+          plgpu.barrier_wait(kv_ready.at[3 * wg + 2])
+          kv_seg = broadcast_rows(
+              plgpu.load(kvseg_smem2.at[wg], layout=_ROW), tile)
+        plgpu.barrier_wait(kv_ready.at[3 * wg])
+        plgpu.barrier_wait(kv_ready.at[3 * wg + 1])
+
+        def step(i, carry):
+          dk, dv = carry
+          slot = lax.rem(i, stages)
+          _, q_tile = head_and_tile(i)
+          plgpu.barrier_wait(q_ready.at[slot])
+          plgpu.barrier_wait(stats_ready.at[slot])
+          q_seg = None
+          if q_seg_ref is not None:
+            plgpu.barrier_wait(qseg_ready.at[slot])
+            q_seg = broadcast_cols(
+                plgpu.load(qseg_smem.at[slot], layout=_COL), tile)
+          lse2 = broadcast_cols(
+              plgpu.load(stats_smem.at[slot, 0], layout=_COL), tile)
+          delta = broadcast_cols(
+              plgpu.load(stats_smem.at[slot, 1], layout=_COL), tile)
+
+          def kq_product(acc_ref):
+            plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          s = logits(pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32)))
+          full = class_ref[b, q_tile, my_block] == masks.FULL
+
+          def masked(s):
+            kv_ids = plgpu.broadcasted_iota(
+                jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + kv_base
+            q_ids = plgpu.broadcasted_iota(
+                jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + (
+                    q_tile * block_q)
+            visible = spec.tile_visibility(q_ids, kv_ids, q_length, kv_length,
+                                           q_seg, kv_seg)
+            return jnp.where(visible, s, -jnp.inf)
+          p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
+          plgpu.barrier_wait(do_ready.at[slot])
+
+          if want_dv:
+            def dv_product(acc_ref):
+              plgpu.wgmma(acc_ref, p.astype(dtype), do_smem.at[slot])
+            dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
+          if want_dk:
+            def dp_product(acc_ref):
+              plgpu.wgmma(acc_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+              return acc_ref[...]
+            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+          plgpu.barrier_arrive(do_free.at[slot])
+          if want_dk:
+            ds = p * (dp - delta)
+            derivative = logits.derivative(s)
+            if derivative is not None:
+              ds = ds * derivative
+
+            def dk_product(acc_ref):
+              plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
+            dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
+          plgpu.barrier_arrive(q_free.at[slot])
+          return dk, dv
+
+        zeros = lambda: plgpu.layout_cast(  # noqa: E731
+            jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, steps, step, (
+            zeros() if want_dk else None, zeros() if want_dv else None))
+        results = dict(dk=(dk, k_smem), dv=(dv, v_smem))
+        for name in outputs:
+          acc, smem = results[name]
+          if name == "dk":
+            acc = acc * logits.scale
+          smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        for name in outputs:
+          plgpu.copy_smem_to_gmem(results[name][1],
+                                  out_refs[name].at[b, rows, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+
+        @pl.loop(0, steps)
+        def _load(i):
+          slot = lax.rem(i, stages)
+          head, q_tile = head_and_tile(i)
+          rows = pl.ds(q_tile * block_q, block_q)
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(q_free.at[slot])
+          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot],
+                                  q_ready.at[slot])
+          plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
+                                  stats_smem.at[slot], stats_ready.at[slot])
+          if q_seg_ref is not None:
+            plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem.at[slot],
+                                    qseg_ready.at[slot])
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(do_free.at[slot])
+          plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot],
+                                  do_ready.at[slot])
+
+    segments = spec.has_segments
+    pl.run_scoped(
+        body,
+        common.smem_tile((2, block_kv, head_dim), dtype),
+        common.smem_tile((2, block_kv, head_dim), dtype),
+        plgpu.SMEM((2, block_kv), jnp.int32) if segments else None,
+        common.smem_tile((stages, block_q, head_dim), dtype),
+        common.smem_tile((stages, block_q, head_dim), dtype),
+        plgpu.SMEM((stages, 2, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
+        plgpu.Barrier(num_barriers=6),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages) if segments else None,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  results = plgpu.kernel(
+      kernel,
+      out_type=tuple(kv_type for _ in outputs),
+      grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, stats, q_order, q_count, classes, *extras)
+  results = dict(zip(outputs, results))
+  return results.get("dk"), results.get("dv")

@@ -1,0 +1,129 @@
+"""Pieces shared by the Hopper forward and backward kernels: the inputs that
+describe visibility, the element mask of partial tiles, and the logit
+transform (scale and soft cap)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jflash import masks
+
+Array = jax.Array
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# The running maximum starts finite so that a row whose keys are all masked
+# so far keeps exp2(-inf - m) == 0 and a rescale factor of exactly 1 (no
+# inf - inf).  Real logits are bounded far above it.
+M_INIT = -1e30
+
+# Register budget per thread after `setmaxnreg`: two consumer warpgroups and
+# one producer share the 64K registers of an SM, (2 * 232 + 40) * 128 <=
+# 65536.  Asking for more makes `setmaxnreg.inc` wait forever.
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+
+TILING = plgpu.TilingTransform((8, 64))
+SWIZZLE = plgpu.SwizzleTransform(128)
+
+
+def smem_tile(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+  """A shared-memory buffer laid out for TMA and ``wgmma`` (128-byte
+  swizzle, 8 x 64 tiles)."""
+  return plgpu.SMEM(shape, dtype, transforms=(TILING, SWIZZLE))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of the visibility rule that a kernel compiles in, plus
+  which optional per-call arrays it receives.
+
+  Attributes:
+    q_len, kv_len: the unpadded ``T`` and ``S``.
+    is_causal, window: as in :class:`jflash.masks.AttentionMask`.
+    has_q_lengths, has_kv_lengths, has_segments: whether the kernel gets
+      ``q_lengths [B]``, ``kv_lengths [B]`` and segment ids ``[B, T]`` /
+      ``[B, S]`` (padded) as inputs.
+  """
+
+  q_len: int
+  kv_len: int
+  is_causal: bool
+  window: tuple[int, int] | None
+  has_q_lengths: bool
+  has_kv_lengths: bool
+  has_segments: bool
+
+  @classmethod
+  def of(cls, mask: masks.AttentionMask) -> "MaskSpec":
+    return cls(q_len=mask.q_len, kv_len=mask.kv_len,
+               is_causal=mask.is_causal, window=mask.window,
+               has_q_lengths=mask.q_lengths is not None,
+               has_kv_lengths=mask.kv_lengths is not None,
+               has_segments=mask.q_segment_ids is not None)
+
+  def tile_visibility(self, q_ids: Array, kv_ids: Array, q_length, kv_length,
+                      q_seg: Array | None, kv_seg: Array | None) -> Array:
+    """Visibility of one tile from position arrays already in the kernel's
+    register layout (``q_ids``/``kv_ids`` of the tile's full 2-D shape,
+    ``q_seg``/``kv_seg`` broadcast likewise); the rule is
+    :func:`jflash.masks.row_bounds` plus segment equality."""
+    lo, hi = masks.row_bounds(q_ids, q_len=self.q_len, kv_len=self.kv_len,
+                              is_causal=self.is_causal, window=self.window,
+                              q_length=q_length, kv_length=kv_length)
+    visible = (kv_ids >= lo) & (kv_ids < hi)
+    if q_seg is not None:
+      visible = visible & (q_seg == kv_seg)
+    return visible
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitTransform:
+  """Scaled (and optionally soft-capped) logits in base 2: the kernels
+  compute ``exp2(transform(qk) - m)`` with ``m`` in the same units."""
+
+  scale: float
+  soft_cap: float | None
+
+  def __call__(self, qk: Array) -> Array:
+    """``log2(e) * cap(scale * qk)``."""
+    if self.soft_cap is None:
+      return qk * (self.scale * LOG2E)
+    return jnp.tanh(qk * (self.scale / self.soft_cap)) * (
+        self.soft_cap * LOG2E)
+
+  def derivative(self, s2: Array) -> Array | None:
+    """d(natural logit)/d(scale * qk) given the base-2 logits ``s2``, or None
+    when it is 1 (no cap): ``1 - tanh^2``."""
+    if self.soft_cap is None:
+      return None
+    t = s2 * (1.0 / (self.soft_cap * LOG2E))
+    return 1.0 - t * t
+
+
+def broadcast_rows(x: Array, shape: tuple[int, int]) -> Array:
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def broadcast_cols(x: Array, shape: tuple[int, int]) -> Array:
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def scalar_or_none(ref, index) -> Array | None:
+  return None if ref is None else ref[index]
+
+
+def schedule_row(order_ref, count_ref, batch_index, block_index):
+  """(number of tiles to visit, function step -> tile index) of one row of a
+  :class:`jflash.masks.TileSchedule` kept in GMEM."""
+  count = count_ref[batch_index, block_index]
+
+  def tile_at(step):
+    return order_ref[batch_index, block_index, step]
+  return count, tile_at

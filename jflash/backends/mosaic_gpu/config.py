@@ -1,0 +1,92 @@
+"""Tile sizes and pipeline depth of the Hopper kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuConfig:
+  """Block sizes of the ``mosaic_gpu`` kernels.
+
+  ``None`` fields take the value of :func:`default_config` for the call's
+  head dim.  The forward runs two consumer warpgroups per CTA, each owning
+  ``block_q`` query rows (so a CTA covers ``2 * block_q`` rows), and a
+  producer warpgroup streaming ``block_kv`` keys per step through a ring of
+  ``stages`` shared-memory buffers.  The backward passes have their own
+  tiles: dQ keeps ``block_q_dq`` query rows per warpgroup and streams
+  ``block_kv_dq`` keys; dK/dV keeps ``block_kv_dkv`` keys per warpgroup and
+  streams ``block_q_dkv`` queries.
+
+  Attributes:
+    block_q: forward query rows per consumer warpgroup (multiple of 64).
+    block_kv: forward keys per step (multiple of 64).
+    stages: forward K/V ring depth (at least 2).
+    block_q_dq, block_kv_dq: dQ pass tiles (multiples of 64).
+    block_q_dkv, block_kv_dkv: dK/dV pass tiles (multiples of 64).
+    stages_bwd: ring depth of both backward passes (at least 1; 1 loads
+      the next tile only after the current one is consumed).
+  """
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  stages: int | None = None
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
+  block_q_dkv: int | None = None
+  block_kv_dkv: int | None = None
+  stages_bwd: int | None = None
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is None:
+        continue
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"MosaicGpuConfig.{field.name} must be an int or "
+                         f"None, got {value!r}")
+      if field.name.startswith("stages"):
+        least = 2 if field.name == "stages" else 1
+        if value < least:
+          raise ValueError(f"MosaicGpuConfig.{field.name} must be at least "
+                           f"{least}, got {value}")
+      elif value <= 0 or value % 64:
+        raise ValueError(f"MosaicGpuConfig.{field.name} must be a positive "
+                         f"multiple of 64, got {value}")
+
+  def resolved(self, head_dim: int) -> "MosaicGpuConfig":
+    """Every ``None`` field filled from :func:`default_config`."""
+    base = default_config(head_dim)
+    return dataclasses.replace(base, **{
+        f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+        if getattr(self, f.name) is not None})
+
+
+# Per padded head dim; from benchmarks/tune_mosaic_gpu.py on an H200 (see
+# docs/performance.md).  Shared memory bounds the forward ring: Q takes
+# 2 * block_q * H * 2 bytes, each stage 2 * block_kv * H * 2 bytes, out of
+# 227 KiB.
+_DEFAULTS = {
+    64: MosaicGpuConfig(block_q=64, block_kv=128, stages=3, block_q_dq=64,
+                        block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
+                        stages_bwd=2),
+    128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
+                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
+                         stages_bwd=2),
+    256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
+                         block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
+                         stages_bwd=1),
+}
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """The head dim the kernels run at: 64, 128 or 256."""
+  for size in (64, 128, 256):
+    if head_dim <= size:
+      return size
+  raise ValueError(f"head dim {head_dim} is above 256")
+
+
+def default_config(head_dim: int) -> MosaicGpuConfig:
+  """The tuned configuration for a head dim (padded to 64, 128 or 256)."""
+  return _DEFAULTS[padded_head_dim(head_dim)]

@@ -1,0 +1,249 @@
+"""Hopper forward kernel: FlashAttention-3 structure in Pallas Mosaic GPU.
+
+One CTA per (head, ``2 * block_q`` query rows, batch row) with three
+warpgroups:
+
+* two consumer warpgroups, each owning ``block_q`` query rows: ``Q K^T`` on
+  the tensor cores (``wgmma``), online softmax in float32 registers (base-2
+  exponent, scale folded in), ``P V`` on the tensor cores.  A shared
+  "schedule" barrier makes them alternate, so that one's softmax overlaps the
+  other's matrix products;
+* one producer warpgroup that streams the nonempty K/V tiles of the CTA's
+  row block (from :func:`jflash.masks.tile_schedule`) through a ring of
+  ``stages`` shared-memory buffers with TMA, waiting on "consumed" barriers
+  before reusing a slot.
+
+Empty tiles are never loaded.  Each consumer looks up its own tile class:
+full tiles skip the element mask; partial tiles (and tiles empty for this
+warpgroup's half of the rows only) apply it.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jflash import masks
+from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
+                                               broadcast_cols, broadcast_rows)
+
+Array = jax.Array
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
+                        kv_count: Array, classes: Array,
+                        q_lengths: Array | None, kv_lengths: Array | None,
+                        q_segments: Array | None, kv_segments: Array | None,
+                        spec: MaskSpec, logits: LogitTransform, block_q: int,
+                        block_kv: int, stages: int) -> tuple[Array, Array]:
+  """Runs the forward kernel on padded inputs.
+
+  Args:
+    q: ``[B, Tp, N, Hp]`` with ``Tp`` a multiple of ``2 * block_q`` and
+      ``Hp`` in (64, 128, 256).
+    k, v: ``[B, Sp, K, Hp]`` with ``Sp`` a multiple of ``block_kv``.
+    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
+      block, ``[B, Tp / (2 block_q), Sp / block_kv]`` and ``[B, Tp / (2
+      block_q)]``.
+    classes: int32 tile classes at ``block_q`` rows, ``[B, Tp / block_q,
+      Sp / block_kv]``.
+    q_lengths, kv_lengths: int32 ``[B]`` or None.
+    q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
+
+  Returns:
+    ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
+    float32 (``-inf`` for rows that see no key; their output is zero).
+  """
+  batch, q_pad, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  dtype = q.dtype
+  num_q_blocks = q_pad // (2 * block_q)
+  tile = (block_q, block_kv)
+
+  optional = dict(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                  q_segments=q_segments, kv_segments=kv_segments)
+  optional_names = [n for n, x in optional.items() if x is not None]
+
+  def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref, *rest):
+    named = dict(zip(optional_names, rest[:len(optional_names)]))
+    out_ref, lse_ref = rest[len(optional_names):]
+    b = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    q_block = lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
+    q_length = common.scalar_or_none(named.get("q_lengths"), b)
+    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+    q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
+
+    def body(qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kvseg_smem,
+             k_ready, v_ready, q_ready, kvseg_ready, k_free, v_free,
+             schedule):
+
+      def take_turn():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
+        qo_smem = qo_smem2.at[wg]
+        my_block = q_block * 2 + wg
+        q_base = my_block * block_q
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
+                                qo_smem, q_ready.at[wg])
+        q_seg = None
+        if q_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
+                                  qseg_smem2.at[wg], q_ready.at[2 + wg])
+          plgpu.barrier_wait(q_ready.at[2 + wg])
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+                                 tile)
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        def masked(s, kv_tile, kv_seg):
+          q_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0,
+                                         layout=plgpu.Layout.WGMMA) + q_base
+          kv_ids = plgpu.broadcasted_iota(
+              jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + (
+                  kv_tile * block_kv)
+          visible = spec.tile_visibility(q_ids, kv_ids, q_length, kv_length,
+                                         q_seg, kv_seg)
+          return jnp.where(visible, s, -jnp.inf)
+
+        def step(i, carry):
+          acc, m, l = carry
+          slot = lax.rem(i, stages)
+          kv_tile = tile_at(i)
+          plgpu.barrier_wait(k_ready.at[slot])
+          kv_seg = None
+          if kv_seg_ref is not None:
+            plgpu.barrier_wait(kvseg_ready.at[slot])
+            kv_seg = broadcast_cols(
+                plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+
+          def qk_product(acc_ref):
+            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            take_turn()
+            return acc_ref[...]
+          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          s = logits(qk)
+          full = class_ref[b, my_block, kv_tile] == masks.FULL
+          s = lax.cond(full, lambda s: s, lambda s: masked(s, kv_tile, kv_seg),
+                       s)
+          m_new = jnp.maximum(m, s.max(axis=1))
+          rescale = jnp.exp2(m - m_new)
+          p = jnp.exp2(s - broadcast_rows(m_new, tile))
+          acc = acc * broadcast_rows(rescale, acc.shape)
+          l = l * rescale
+          p_low = p.astype(dtype)
+          if head_dim <= 128:
+            l = l + p.sum(axis=1)
+            acc, l, m_new, p_low = lax.optimization_barrier(
+                (acc, l, m_new, p_low))
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)
+          else:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)
+            l = l + p.sum(axis=1)
+
+          def pv_product(acc_ref):
+            plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_new, l
+
+        acc = plgpu.layout_cast(
+            jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
+                              _ROW)
+        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
+        pl.when(wg == 1)(take_turn)
+        acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+        pl.when(wg == 0)(take_turn)
+
+        seen = l > 0
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        qo_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+        lse_smem2.at[wg][...] = jnp.where(
+            seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
+            -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            qo_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
+        plgpu.copy_smem_to_gmem(
+            lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, group)
+
+        @pl.loop(0, count)
+        def _load(i):
+          slot = lax.rem(i, stages)
+          rows = pl.ds(tile_at(i) * block_kv, block_kv)
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(k_free.at[slot])
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem.at[slot],
+                                  k_ready.at[slot])
+          if kv_seg_ref is not None:
+            plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kvseg_smem.at[slot],
+                                    kvseg_ready.at[slot])
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(v_free.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem.at[slot],
+                                  v_ready.at[slot])
+
+    segments = spec.has_segments
+    pl.run_scoped(
+        body,
+        common.smem_tile((2, block_q, head_dim), dtype),
+        common.smem_tile((stages, block_kv, head_dim), dtype),
+        common.smem_tile((stages, block_kv, head_dim), dtype),
+        plgpu.SMEM((2, block_q), jnp.float32),
+        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=4),
+        plgpu.Barrier(num_barriers=stages) if segments else None,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  out, lse = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
+      grid=(num_heads, num_q_blocks, batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, kv_order, kv_count, classes,
+    *(optional[n] for n in optional_names))
+  return out, lse
+
+
