@@ -96,9 +96,20 @@ def test_default_order_per_platform():
 
 def test_unbuilt_kernels_decline_clearly():
   q, k, v = _qkv(_rng())
-  for name in ("mosaic_gpu", "mosaic_tpu"):
-    with pytest.raises(NotImplementedError, match=name):
-      jflash.dot_product_attention(q, k, v, implementation=name)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+    jflash.dot_product_attention(q, k, v, implementation="mosaic_gpu")
+
+
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="off-TPU only")
+def test_tpu_kernels_decline_off_tpu_unless_interpreted():
+  q, k, v = _qkv(_rng())
+  with pytest.raises(NotImplementedError,
+                     match=r"mosaic_tpu: needs a TPU.*interpret=True"):
+    jflash.dot_product_attention(q, k, v, implementation="mosaic_tpu")
+  out = jflash.dot_product_attention(q, k, v, implementation="mosaic_tpu",
+                                     interpret=True)
+  want = jflash.dot_product_attention(q, k, v, implementation="xla")
+  assert rel_err(out, want) < 1e-5
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU/TPU only")
@@ -128,10 +139,12 @@ def test_interpret_declined_by_cudnn_and_ignored_by_xla():
 
 def test_error_lists_every_declining_backend():
   q, k, v = _qkv(_rng())
+  # Neither serves a dense boolean mask, on any platform.
+  mask = jnp.ones((12, 12), bool)
   with pytest.raises(NotImplementedError) as info:
-    jflash.dot_product_attention(q, k, v,
-                                 implementation=["mosaic_gpu", "mosaic_tpu"])
-  assert "mosaic_gpu" in str(info.value) and "mosaic_tpu" in str(info.value)
+    jflash.dot_product_attention(q, k, v, mask=mask,
+                                 implementation=["mosaic_tpu", "cudnn"])
+  assert "mosaic_tpu" in str(info.value) and "cudnn" in str(info.value)
 
 
 def test_selected_implementation_on_this_platform():

@@ -37,5 +37,5 @@ def default_order(platform: str | None = None) -> tuple[str, ...]:
 
 
 __all__ = ["AttentionCall", "Backend", "BACKENDS", "MosaicGpuBackend",
-           "MosaicGpuConfig", "XlaBackend", "XlaConfig",
-           "default_order"]
+           "MosaicGpuConfig", "MosaicTpuBackend", "MosaicTpuConfig",
+           "XlaBackend", "XlaConfig", "default_order"]

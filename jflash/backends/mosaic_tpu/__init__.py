@@ -1,0 +1,156 @@
+"""The ``mosaic_tpu`` backend: FlashAttention kernels in Pallas Mosaic TPU.
+
+Three kernels (:mod:`.forward`, :mod:`.backward`) walk one block-sparse
+tile schedule from :mod:`jflash.masks`, passed to each by scalar prefetch:
+empty tiles are neither copied into VMEM nor computed, full tiles skip the
+element mask.  Runs on TPUs, and anywhere in Pallas's interpret mode
+(``interpret=True``), which is how it is tested on the CPU.  See
+``docs/tpu.md`` for what was verified and the tiling per generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jflash import masks
+from jflash.backends.base import AttentionCall
+from jflash.backends.mosaic_tpu import ops
+from jflash.backends.mosaic_tpu.common import Plan
+from jflash.backends.mosaic_tpu.config import (FALLBACK, GENERATIONS, LANES,
+                                               SUBLANES, Generation,
+                                               MosaicTpuConfig, fit_blocks,
+                                               generation_of, target_device,
+                                               vmem_estimate)
+
+Array = jax.Array
+
+MAX_HEAD_DIM = 256
+"""Largest head dim served (padded to 256 lanes)."""
+METADATA_BUDGET_BYTES = 256 * 1024
+"""Most scalar-prefetch (SMEM) bytes one kernel's tile visits may take."""
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _granule(block: int) -> int:
+  return LANES if block % LANES == 0 else SUBLANES
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuBackend:
+  """Pallas Mosaic TPU kernels.
+
+  Serves float32, bfloat16 and float16 (computed by the float32 kernels)
+  with head dims up to 256, causal, windows, lengths, segment ids, GQA/MQA
+  and soft cap.  Declines (``NotImplementedError``): a dense ``bias`` or
+  boolean ``mask`` (``xla`` serves them), other dtypes, larger head dims,
+  and any platform but a TPU unless the call asks for ``interpret=True``.
+
+  Attributes:
+    config: the tiling; its ``None`` fields follow the TPU generation.
+    name: ``"mosaic_tpu"``.
+  """
+
+  config: MosaicTpuConfig = MosaicTpuConfig()
+  name: str = "mosaic_tpu"
+
+  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    """``(out [B, T, N, H], logsumexp [B, T, N] float32)``."""
+    plan = self.plan(call)
+    return ops.attention(call.query, call.key, call.value, call.mask, plan)
+
+  def plan(self, call: AttentionCall, *, count_visits: bool = False) -> Plan:
+    """The static plan of one call, or ``NotImplementedError`` if this
+    backend declines it."""
+    self._check_supported(call)
+    mask = call.mask
+    batch, q_len, _, head_dim = call.query.shape
+    kv_len = call.key.shape[1]
+    kernel_dtype = jnp.float32 if call.dtype == jnp.float16 else call.dtype
+    head_padded = _round_up(head_dim, LANES)
+    gen = generation_of(target_device()[1])
+    block_q, block_kv, vmem_limit = self.config.resolve(
+        gen, head_padded, jnp.dtype(kernel_dtype).itemsize,
+        interpret=call.interpret)
+    # Short sequences shrink a block to the sequence, rounded up to whole
+    # 128-row tiles when the block is TPU-legal (so that interpret mode
+    # runs the plan a TPU would), else to whole sublanes.
+    block_q = min(block_q, _round_up(q_len, _granule(block_q)))
+    block_kv = min(block_kv, _round_up(kv_len, _granule(block_kv)))
+    num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
+    kv_steps, q_steps = masks.max_visited_blocks(mask, block_q, block_kv)
+    per_row = (mask.q_lengths is not None or mask.kv_lengths is not None
+               or mask.q_segment_ids is not None)
+    per_batch = per_row and self._metadata_bytes(
+        batch, num_q, num_kv, kv_steps, q_steps) <= METADATA_BUDGET_BYTES
+    needed = self._metadata_bytes(batch if per_batch else 1, num_q, num_kv,
+                                  kv_steps, q_steps)
+    if needed > METADATA_BUDGET_BYTES:
+      raise NotImplementedError(
+          f"{self.name}: the tile schedule of {num_q}x{num_kv} tiles of "
+          f"{block_q}x{block_kv} needs {needed} bytes of SMEM, more than "
+          f"{METADATA_BUDGET_BYTES}; use larger blocks or 'xla'")
+    interpret = False
+    if call.interpret:
+      interpret = (True if self.config.interpret_params is None
+                   else self.config.interpret_params)
+    rules = dataclasses.replace(mask, q_lengths=None, kv_lengths=None,
+                                q_segment_ids=None, kv_segment_ids=None,
+                                dense=None)
+    return Plan(
+        scale=float(call.scale), soft_cap=call.logits_soft_cap, rules=rules,
+        block_q=block_q, block_kv=block_kv, num_q=num_q, num_kv=num_kv,
+        kv_steps=kv_steps, q_steps=q_steps, head_dim=head_padded,
+        per_batch=per_batch, has_q_lengths=mask.q_lengths is not None,
+        has_kv_lengths=mask.kv_lengths is not None,
+        has_segments=mask.q_segment_ids is not None, interpret=interpret,
+        vmem_limit_bytes=vmem_limit, count_visits=count_visits)
+
+  def tile_visits(self, call: AttentionCall) -> dict[str, Array]:
+    """How many tiles each kernel computes, counted inside the kernels:
+    ``{"forward": [B, N, nq], "dq": [B, N, nq], "dkv": [B, K, nk]}`` int32
+    (``dkv`` summed over each key/value head's query heads).  For tests
+    and profiling; runs the forward and both backward kernels once."""
+    plan = self.plan(call, count_visits=True)
+    return ops.tile_visits(call.query, call.key, call.value, call.mask, plan)
+
+  # ---------------------------------------------------------------- checks
+  def _check_supported(self, call: AttentionCall) -> None:
+    platform = target_device()[0]
+    if platform != "tpu" and not call.interpret:
+      raise NotImplementedError(
+          f"{self.name}: needs a TPU (the target platform is {platform!r}); "
+          "pass interpret=True to run the kernels in Pallas's interpret mode")
+    if call.bias is not None:
+      raise NotImplementedError(
+          f"{self.name}: a dense bias is not supported by these kernels; "
+          "the 'xla' backend serves it")
+    if call.mask.dense is not None:
+      raise NotImplementedError(
+          f"{self.name}: a dense boolean mask is not supported by these "
+          "kernels; the 'xla' backend serves it")
+    if call.dtype not in _DTYPES:
+      raise NotImplementedError(
+          f"{self.name}: dtype {call.dtype} is not supported (float32, "
+          "bfloat16, float16)")
+    head_dim = call.query.shape[3]
+    if head_dim > MAX_HEAD_DIM:
+      raise NotImplementedError(
+          f"{self.name}: head dim {head_dim} is above {MAX_HEAD_DIM}")
+
+  @staticmethod
+  def _metadata_bytes(rows: int, num_q: int, num_kv: int, kv_steps: int,
+                      q_steps: int) -> int:
+    """SMEM bytes of the larger of the two visit lists (with counts)."""
+    return 4 * rows * max(num_q * (kv_steps + 1), num_kv * (q_steps + 1))
+
+
+__all__ = ["FALLBACK", "GENERATIONS", "Generation", "MAX_HEAD_DIM",
+           "MosaicTpuBackend", "MosaicTpuConfig", "fit_blocks",
+           "generation_of", "target_device", "vmem_estimate"]

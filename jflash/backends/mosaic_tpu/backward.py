@@ -1,0 +1,297 @@
+"""The ``mosaic_tpu`` backward kernels: dQ, then dK and dV.
+
+Both recompute a tile's probabilities from the saved logsumexp and use
+``delta = rowsum(dO * O) - dlogsumexp`` (computed outside, so the
+logsumexp's own cotangent flows through the same ``dS``).  Neither needs
+atomics: each output block is owned by one grid row, so results are
+deterministic.
+
+* dQ: grid ``(B, N, nq, kv_steps)``, walking the same key-block visits as
+  the forward kernel; dQ accumulates in a ``[block_q, Hp]`` float32 scratch.
+* dK/dV: grid ``(B, K, nk, G, q_steps)``, walking, for each key block, the
+  query blocks that see it, for each of the ``G`` query heads that share the
+  key/value head; the two inner axes are sequential and accumulate into
+  ``[block_kv, Hp]`` float32 scratch, so GQA/MQA sums the query-head group
+  without repeating K and V.  The tile is computed transposed
+  (``K @ Q.T``, ``[block_kv, block_q]``) so the per-query statistics
+  broadcast as lane-dense rows and every matmul is a plain or ``A @ B.T``
+  product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jflash import masks
+from jflash.backends.mosaic_tpu import common
+from jflash.backends.mosaic_tpu.common import Metadata, Plan
+
+Array = jax.Array
+
+
+def _split(refs, plan: Plan, names: tuple[str, ...]):
+  """Scalar-prefetch refs, then the named refs in order; segment ids and
+  the counter only when the plan has them."""
+  n_lengths = plan.num_lengths
+  head, length_refs = refs[:2], refs[2:2 + n_lengths]
+  rest = list(refs[2 + n_lengths:])
+  out = {}
+  for name in names:
+    if name in ("q_ids", "kv_ids") and not plan.has_segments:
+      out[name] = None
+    elif name == "counter" and not plan.count_visits:
+      out[name] = None
+    else:
+      out[name] = rest.pop(0)
+  assert not rest, rest
+  return head, length_refs, out
+
+
+def _dq_kernel(*refs, plan: Plan):
+  (visits_ref, count_ref), length_refs, r = _split(
+      refs, plan, ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids",
+                   "dq", "counter", "acc"))
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  sb = b if plan.per_batch else 0
+  count = count_ref[sb, i]
+  kv_block, cls = common.visit_at(visits_ref, count_ref, sb, i, j)
+
+  @pl.when(j == 0)
+  def _init():
+    r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
+    if r["counter"] is not None:
+      r["counter"][...] = jnp.zeros(r["counter"].shape, jnp.int32)
+
+  def step(masked: bool):
+    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+    s, tanh = common.logits(q, k, plan)
+    if masked:
+      s = common.apply_mask(
+          s, plan, q_start=i * plan.block_q, kv_start=kv_block * plan.block_kv,
+          transposed=False, lengths=common.lengths_of(plan, length_refs, b),
+          q_ids=None if r["q_ids"] is None else r["q_ids"][...],
+          kv_ids=None if r["kv_ids"] is None else r["kv_ids"][...])
+    lse = r["lse"][0][:, None]  # [1, bq] row -> [bq, 1] column
+    delta = r["delta"][0][:, None]
+    p = jnp.exp(s - lse)
+    dp = lax.dot_general(do, v, common.NT_DIMS,
+                         precision=common.precision_for(v.dtype),
+                         preferred_element_type=jnp.float32)
+    ds = p * (dp - delta)
+    if tanh is not None:
+      ds = ds * (1.0 - tanh * tanh)
+    r["acc"][...] += lax.dot_general(
+        ds.astype(k.dtype), k, common.NN_DIMS,
+        precision=common.precision_for(k.dtype),
+        preferred_element_type=jnp.float32)
+    if r["counter"] is not None:
+      r["counter"][...] += 1
+
+  common.when_visited(count, j, cls, step)
+
+  @pl.when(j == plan.kv_steps - 1)
+  def _finish():
+    r["dq"][...] = (r["acc"][...] * jnp.float32(plan.scale)).astype(
+        r["dq"].dtype)
+
+
+def _dkv_kernel(*refs, plan: Plan, groups: int):
+  (visits_ref, count_ref), length_refs, r = _split(
+      refs, plan, ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids",
+                   "dk", "dv", "counter", "dk_acc", "dv_acc"))
+  b, ki = pl.program_id(0), pl.program_id(2)
+  g, j = pl.program_id(3), pl.program_id(4)
+  sb = b if plan.per_batch else 0
+  count = count_ref[sb, ki]
+  q_block, cls = common.visit_at(visits_ref, count_ref, sb, ki, j)
+
+  @pl.when((g == 0) & (j == 0))
+  def _init():
+    r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
+    r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
+    if r["counter"] is not None:
+      r["counter"][...] = jnp.zeros(r["counter"].shape, jnp.int32)
+
+  def step(masked: bool):
+    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+    s, tanh = common.logits(k, q, plan)  # [bkv, bq]
+    if masked:
+      s = common.apply_mask(
+          s, plan, q_start=q_block * plan.block_q,
+          kv_start=ki * plan.block_kv, transposed=True,
+          lengths=common.lengths_of(plan, length_refs, b),
+          q_ids=None if r["q_ids"] is None else r["q_ids"][...],
+          kv_ids=None if r["kv_ids"] is None else r["kv_ids"][...])
+    p = jnp.exp(s - r["lse"][...])  # lse row [1, bq]
+    r["dv_acc"][...] += lax.dot_general(
+        p.astype(do.dtype), do, common.NN_DIMS,
+        precision=common.precision_for(do.dtype),
+        preferred_element_type=jnp.float32)
+    dp = lax.dot_general(v, do, common.NT_DIMS,
+                         precision=common.precision_for(v.dtype),
+                         preferred_element_type=jnp.float32)
+    ds = p * (dp - r["delta"][...])
+    if tanh is not None:
+      ds = ds * (1.0 - tanh * tanh)
+    r["dk_acc"][...] += lax.dot_general(
+        ds.astype(q.dtype), q, common.NN_DIMS,
+        precision=common.precision_for(q.dtype),
+        preferred_element_type=jnp.float32)
+    if r["counter"] is not None:
+      r["counter"][...] += 1
+
+  common.when_visited(count, j, cls, step)
+
+  @pl.when((g == groups - 1) & (j == plan.q_steps - 1))
+  def _finish():
+    r["dk"][...] = (r["dk_acc"][...] * jnp.float32(plan.scale)).astype(
+        r["dk"].dtype)
+    r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
+
+
+def _segment_operands(mask: masks.AttentionMask, plan: Plan):
+  q_col, q_row = common.segment_layouts(mask.q_segment_ids, plan.q_padded)
+  kv_col, kv_row = common.segment_layouts(mask.kv_segment_ids,
+                                          plan.kv_padded)
+  return q_col, q_row, kv_col, kv_row
+
+
+def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
+       mask: masks.AttentionMask, meta: Metadata, plan: Plan,
+       out_dtype) -> tuple[Array, ...]:
+  """dQ on kernel-layout operands.
+
+  Args:
+    q, do: ``[B, N, Tp, Hp]``.
+    k, v: ``[B, K, Sp, Hp]``.
+    lse, delta: ``[B, N, 1, Tp]`` float32 (``lse`` with ``-inf`` replaced
+      by 0).
+    mask, meta, plan: as for :func:`jflash.backends.mosaic_tpu.forward.forward`.
+    out_dtype: dtype of dQ.
+
+  Returns:
+    ``dq [B, N, Tp, Hp]`` and, with ``plan.count_visits``, the visit
+    counter ``[B, N, nq, 8, 128]``.
+  """
+  batch, heads, _, hp = q.shape
+  groups = heads // k.shape[1]
+  bq, bkv = plan.block_q, plan.block_kv
+
+  def kv_block(b, i, j, visits, count):
+    sb = b if plan.per_batch else 0
+    return common.visit_at(visits, count, sb, i, j)[0]
+
+  def kv_map(b, n, i, j, visits, count, *_):
+    return b, lax.div(n, groups), kv_block(b, i, j, visits, count), 0
+
+  def q_map(b, n, i, j, *_):
+    return b, n, i, 0
+
+  def row_map(b, n, i, j, *_):
+    return b, n, 0, i
+
+  operands = [q, k, v, do, lse, delta]
+  in_specs = [pl.BlockSpec((None, None, bq, hp), q_map),
+              pl.BlockSpec((None, None, bkv, hp), kv_map),
+              pl.BlockSpec((None, None, bkv, hp), kv_map),
+              pl.BlockSpec((None, None, bq, hp), q_map),
+              pl.BlockSpec((None, None, 1, bq), row_map),
+              pl.BlockSpec((None, None, 1, bq), row_map)]
+  if plan.has_segments:
+    q_col, _, _, kv_row = _segment_operands(mask, plan)
+    operands += [q_col, kv_row]
+    in_specs += [
+        pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
+        pl.BlockSpec((None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
+            b, 0, kv_block(b, i, j, visits, count)))]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
+  out_specs = [pl.BlockSpec((None, None, bq, hp), q_map)]
+  if plan.count_visits:
+    spec, shape = common.counter_spec(lambda b, n, i, j, *_: (b, n, i, 0, 0))
+    out_specs.append(spec)
+    out_shape.append(shape(batch, heads, plan.num_q))
+  scalars = [meta.kv_visits, meta.kv_count, *common.length_operands(mask)]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(scalars),
+      grid=(batch, heads, plan.num_q, plan.kv_steps),
+      in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((bq, hp), jnp.float32)])
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, plan=plan),
+      grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=plan.compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=plan.interpret, name="jflash_mosaic_tpu_dq",
+  )(*scalars, *operands)
+
+
+def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
+        mask: masks.AttentionMask, meta: Metadata, plan: Plan,
+        out_dtype) -> tuple[Array, ...]:
+  """dK and dV on kernel-layout operands (shapes as for :func:`dq`).
+
+  Returns:
+    ``dk``, ``dv`` ``[B, K, Sp, Hp]`` and, with ``plan.count_visits``, the
+    visit counter ``[B, K, nk, 8, 128]`` (summed over the query-head group).
+  """
+  batch, heads, _, hp = q.shape
+  kv_heads = k.shape[1]
+  groups = heads // kv_heads
+  bq, bkv = plan.block_q, plan.block_kv
+
+  def q_block(b, ki, j, visits, count):
+    sb = b if plan.per_batch else 0
+    return common.visit_at(visits, count, sb, ki, j)[0]
+
+  def q_map(b, h, ki, g, j, visits, count, *_):
+    return b, h * groups + g, q_block(b, ki, j, visits, count), 0
+
+  def row_map(b, h, ki, g, j, visits, count, *_):
+    return b, h * groups + g, 0, q_block(b, ki, j, visits, count)
+
+  def kv_map(b, h, ki, g, j, *_):
+    return b, h, ki, 0
+
+  operands = [q, k, v, do, lse, delta]
+  in_specs = [pl.BlockSpec((None, None, bq, hp), q_map),
+              pl.BlockSpec((None, None, bkv, hp), kv_map),
+              pl.BlockSpec((None, None, bkv, hp), kv_map),
+              pl.BlockSpec((None, None, bq, hp), q_map),
+              pl.BlockSpec((None, None, 1, bq), row_map),
+              pl.BlockSpec((None, None, 1, bq), row_map)]
+  if plan.has_segments:
+    _, q_row, kv_col, _ = _segment_operands(mask, plan)
+    operands += [q_row, kv_col]
+    in_specs += [
+        pl.BlockSpec((None, 1, bq), lambda b, h, ki, g, j, visits, count, *_: (
+            b, 0, q_block(b, ki, j, visits, count))),
+        pl.BlockSpec((None, bkv, 1), lambda b, h, ki, g, j, *_: (b, ki, 0))]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, out_dtype),
+               jax.ShapeDtypeStruct(v.shape, out_dtype)]
+  out_specs = [pl.BlockSpec((None, None, bkv, hp), kv_map),
+               pl.BlockSpec((None, None, bkv, hp), kv_map)]
+  if plan.count_visits:
+    spec, shape = common.counter_spec(
+        lambda b, h, ki, g, j, *_: (b, h, ki, 0, 0))
+    out_specs.append(spec)
+    out_shape.append(shape(batch, kv_heads, plan.num_kv))
+  scalars = [meta.q_visits, meta.q_count, *common.length_operands(mask)]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(scalars),
+      grid=(batch, kv_heads, plan.num_kv, groups, plan.q_steps),
+      in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((bkv, hp), jnp.float32),
+                      pltpu.VMEM((bkv, hp), jnp.float32)])
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, plan=plan, groups=groups),
+      grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=plan.compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+      interpret=plan.interpret, name="jflash_mosaic_tpu_dkv",
+  )(*scalars, *operands)

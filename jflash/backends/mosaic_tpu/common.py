@@ -1,0 +1,261 @@
+"""What the three ``mosaic_tpu`` kernels share: the static plan of a call,
+the kernel layout of the operands, the tile-visit metadata passed by scalar
+prefetch, and the per-tile logits and element mask.
+
+Kernel layout: ``[B, N, Tp, Hp]`` for query-side arrays and
+``[B, K, Sp, Hp]`` for keys and values, sequences padded to whole blocks and
+head dims to 128 lanes with zeros.  Per-row statistics (logsumexp, delta)
+live as lane-dense rows ``[B, N, 1, Tp]``.  Segment ids come in both
+orientations, ``[B, L, 1]`` columns and ``[B, 1, L]`` rows, so that every
+kernel broadcasts them along the axis it needs without a transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jflash import masks
+
+Array = jax.Array
+
+NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static facts of one call (hashable: a ``nondiff_argnums`` entry).
+
+  Attributes:
+    scale, soft_cap: the logit transform.
+    rules: the call's mask with its arrays dropped (static rules only).
+    block_q, block_kv: the tiling shared by all three kernels.
+    num_q, num_kv: blocks along ``T`` and ``S``.
+    kv_steps: grid extent over the visited key blocks of a query block
+      (forward, dQ), from :func:`jflash.masks.max_visited_blocks`.
+    q_steps: grid extent over the visited query blocks of a key block
+      (dK/dV).
+    head_dim: ``H`` padded to 128 lanes.
+    per_batch: the schedule has one entry per batch row (lengths or segment
+      ids are present); otherwise one entry serves every row.
+    has_q_lengths, has_kv_lengths, has_segments: which per-row data the
+      kernels receive.
+    interpret: ``pallas_call``'s ``interpret`` argument.
+    vmem_limit_bytes: scoped VMEM per kernel.
+    count_visits: add an output counting the tiles each kernel computes.
+  """
+
+  scale: float
+  soft_cap: float | None
+  rules: masks.AttentionMask
+  block_q: int
+  block_kv: int
+  num_q: int
+  num_kv: int
+  kv_steps: int
+  q_steps: int
+  head_dim: int
+  per_batch: bool
+  has_q_lengths: bool
+  has_kv_lengths: bool
+  has_segments: bool
+  interpret: Any
+  vmem_limit_bytes: int
+  count_visits: bool = False
+
+  @property
+  def q_padded(self) -> int:
+    return self.num_q * self.block_q
+
+  @property
+  def kv_padded(self) -> int:
+    return self.num_kv * self.block_kv
+
+  @property
+  def num_lengths(self) -> int:
+    return int(self.has_q_lengths) + int(self.has_kv_lengths)
+
+  def compiler_params(self, semantics: tuple[str, ...]):
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                vmem_limit_bytes=self.vmem_limit_bytes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Metadata:
+  """Tile visits of one call, computed once (outside the kernels) and passed
+  to every kernel by scalar prefetch.
+
+  Each entry of a visit list packs a block index and its tile class:
+  ``block * 4 + class`` (class :data:`jflash.masks.PARTIAL` or
+  :data:`~jflash.masks.FULL` for the first ``count`` entries).
+
+  Attributes:
+    kv_visits: int32 ``[Bs, nq, kv_steps]``: per query block, its nonempty
+      key blocks in increasing order, then empty ones.
+    kv_count: int32 ``[Bs, nq]``.
+    q_visits: int32 ``[Bs, nk, q_steps]``: per key block, its nonempty
+      query blocks.
+    q_count: int32 ``[Bs, nk]``.
+  """
+
+  kv_visits: Array
+  kv_count: Array
+  q_visits: Array
+  q_count: Array
+
+
+def metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
+  """Tile visits from :func:`jflash.masks.tile_schedule`, cut to the static
+  step counts of ``plan`` (never fewer than the nonempty tiles)."""
+  sched = masks.tile_schedule(mask, plan.block_q, plan.block_kv,
+                              merge_batch=not plan.per_batch)
+  classes = sched.classes.astype(jnp.int32)
+  kv_order = sched.kv_order[:, :, :plan.kv_steps]
+  kv_class = jnp.take_along_axis(classes, kv_order, axis=2)
+  q_order = sched.q_order[:, :, :plan.q_steps]
+  q_class = jnp.take_along_axis(jnp.swapaxes(classes, 1, 2), q_order, axis=2)
+  return Metadata(kv_visits=kv_order * 4 + kv_class, kv_count=sched.kv_count,
+                  q_visits=q_order * 4 + q_class, q_count=sched.q_count)
+
+
+def visit_at(visits, count, sb, row, j):
+  """``(block, class)`` at step ``j`` of a visit list.
+
+  Past the count the last visited block is repeated: an unchanged block
+  index makes Pallas skip the copy, so tiles that are not visited are never
+  transferred (and the kernel skips their compute on the count).  Works on
+  scalar-prefetch refs inside index maps and kernels, and on NumPy arrays.
+  """
+  last = jnp.maximum(count[sb, row] - 1, 0)
+  entry = visits[sb, row, jnp.minimum(j, last)]
+  return lax.shift_right_logical(entry, 2), lax.bitwise_and(entry, 3)
+
+
+# ------------------------------------------------------------------ layout
+def _pad_to(x: Array, axis: int, size: int) -> Array:
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def to_kernel_layout(x: Array, seq: int, head_dim: int) -> Array:
+  """``[B, L, N, H]`` -> ``[B, N, seq, head_dim]``, zero padded."""
+  x = _pad_to(_pad_to(x, 1, seq), 3, head_dim)
+  return jnp.transpose(x, (0, 2, 1, 3))
+
+
+def from_kernel_layout(x: Array, length: int, head_dim: int) -> Array:
+  """``[B, N, Lp, Hp]`` -> ``[B, length, N, head_dim]``."""
+  return jnp.transpose(x[:, :, :length, :head_dim], (0, 2, 1, 3))
+
+
+def rows_to_kernel(x: Array, seq: int) -> Array:
+  """Per-row statistics ``[B, T, N]`` -> ``[B, N, 1, seq]`` float32."""
+  x = _pad_to(x.astype(jnp.float32), 1, seq)
+  return jnp.transpose(x, (0, 2, 1))[:, :, None, :]
+
+
+def rows_from_kernel(x: Array, length: int) -> Array:
+  """``[B, N, 1, Tp]`` -> ``[B, length, N]``."""
+  return jnp.transpose(x[:, :, 0, :length], (0, 2, 1))
+
+
+def segment_layouts(ids: Array, seq: int) -> tuple[Array, Array]:
+  """Segment ids ``[B, L]`` -> (column ``[B, seq, 1]``, row ``[B, 1, seq]``).
+  Padded positions are hidden by the sequence bound, whatever their id."""
+  ids = _pad_to(ids.astype(jnp.int32), 1, seq)
+  return ids[:, :, None], ids[:, None, :]
+
+
+def length_operands(mask: masks.AttentionMask) -> list[Array]:
+  """The per-row lengths passed by scalar prefetch, in kernel order."""
+  return [x.astype(jnp.int32) for x in (mask.q_lengths, mask.kv_lengths)
+          if x is not None]
+
+
+# ------------------------------------------------------------ kernel side
+def precision_for(dtype) -> lax.Precision | None:
+  """float32 inputs multiply in full float32 on the MXU; bfloat16 inputs
+  use the native bfloat16 path with float32 accumulation."""
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def lengths_of(plan: Plan, length_refs, b) -> tuple[Array | None, Array | None]:
+  """This batch row's ``(q_length, kv_length)`` scalars from SMEM."""
+  refs = iter(length_refs)
+  q_length = next(refs)[b] if plan.has_q_lengths else None
+  kv_length = next(refs)[b] if plan.has_kv_lengths else None
+  return q_length, kv_length
+
+
+def logits(a: Array, b: Array, plan: Plan) -> tuple[Array, Array | None]:
+  """``scale * a @ b.T`` in float32, soft-capped; also ``tanh(raw / cap)``
+  for the cap's derivative (None without a cap)."""
+  s = lax.dot_general(a, b, NT_DIMS, precision=precision_for(a.dtype),
+                      preferred_element_type=jnp.float32)
+  s = s * jnp.float32(plan.scale)
+  tanh = None
+  if plan.soft_cap is not None:
+    cap = jnp.float32(plan.soft_cap)
+    tanh = jnp.tanh(s / cap)
+    s = cap * tanh
+  return s, tanh
+
+
+def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
+               lengths: tuple[Array | None, Array | None],
+               q_ids: Array | None, kv_ids: Array | None) -> Array:
+  """``s`` with hidden pairs set to ``-inf``; the rule is
+  :func:`jflash.masks.visibility_at`.
+
+  Args:
+    s: ``[bq, bk]`` logits, or ``[bk, bq]`` when ``transposed``.
+    q_start, kv_start: first query / key position of the tile.
+    lengths: this row's ``(q_length, kv_length)``.
+    q_ids, kv_ids: segment ids of the tile's queries and keys, already
+      shaped to broadcast along ``s`` (None without segment ids).
+  """
+  q_axis, kv_axis = (1, 0) if transposed else (0, 1)
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, s.shape, q_axis)
+  kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, s.shape, kv_axis)
+  if q_ids is not None:
+    q_ids = jnp.broadcast_to(q_ids, s.shape)
+    kv_ids = jnp.broadcast_to(kv_ids, s.shape)
+  visible = masks.visibility_at(plan.rules, q_idx, kv_idx,
+                                q_length=lengths[0], kv_length=lengths[1],
+                                q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  return jnp.where(visible, s, -jnp.inf)
+
+
+def when_visited(count, j, cls, step) -> None:
+  """Runs ``step(masked)`` for a visited tile: unmasked for a FULL tile,
+  with the element mask for a PARTIAL one; nothing past the count."""
+  visited = j < count
+
+  @pl.when(visited & (cls == masks.FULL))
+  def _full():
+    step(False)
+
+  @pl.when(visited & (cls != masks.FULL))
+  def _partial():
+    step(True)
+
+
+def counter_spec(index_map) -> tuple[pl.BlockSpec, Any]:
+  """Block spec of a visit counter (one ``[8, 128]`` int32 tile per grid
+  row) and the function that makes its output shape."""
+  spec = pl.BlockSpec((None, None, None, 8, 128), index_map)
+
+  def shape(*lead):
+    return jax.ShapeDtypeStruct((*lead, 8, 128), jnp.int32)
+  return spec, shape

@@ -1,0 +1,227 @@
+"""Tiling and VMEM budget of the ``mosaic_tpu`` backend, per TPU generation.
+
+One tiling ``block_q x block_kv`` serves the forward, dQ and dK/dV kernels,
+because one tile schedule (:func:`jflash.masks.tile_schedule`) is computed
+per call and shared by all three.  Defaults come from
+:data:`GENERATIONS`, keyed by ``jax.devices()[0].device_kind``; the
+arithmetic behind them is in ``docs/tpu.md`` and in :func:`vmem_estimate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+LANES = 128
+"""Width of a TPU vector register row: head dims are padded to it."""
+SUBLANES = 8
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """What the tiling needs to know about one TPU generation (per chip, as
+  one JAX device; v4 and v5p chips are one megacore device of two cores).
+
+  Attributes:
+    name: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``.
+    vmem_bytes: VMEM of one TensorCore.
+    hbm_bytes_per_s: HBM bandwidth of the device.
+    bf16_flops: peak bfloat16 matmul rate of the device.
+    mxu: systolic array width (128 before v6e, 256 from v6e); block sizes
+      are multiples of it.
+    block_q, block_kv: default tiling before the VMEM fit.
+  """
+
+  name: str
+  vmem_bytes: int
+  hbm_bytes_per_s: float
+  bf16_flops: float
+  mxu: int
+  block_q: int
+  block_kv: int
+
+  @property
+  def ridge(self) -> float:
+    """FLOPs per HBM byte above which a kernel is compute bound."""
+    return self.bf16_flops / self.hbm_bytes_per_s
+
+  @property
+  def vmem_limit_bytes(self) -> int:
+    """Scoped VMEM requested per kernel: three quarters of a core's VMEM,
+    at most 96 MiB (the rest is left to Mosaic's internal scratch)."""
+    return min(self.vmem_bytes * 3 // 4, 96 * MIB)
+
+
+# Figures from JAX's own hardware table (jax/_src/tpu_info.py, JAX 0.11.2),
+# which match Google Cloud's published per-chip specifications; see
+# docs/tpu.md for the derivation of the block sizes.
+GENERATIONS: dict[str, Generation] = {
+    "v4": Generation("v4", vmem_bytes=16 * MIB, hbm_bytes_per_s=1.23e12,
+                     bf16_flops=2.75e14, mxu=128, block_q=512, block_kv=512),
+    "v5e": Generation("v5e", vmem_bytes=128 * MIB, hbm_bytes_per_s=8.2e11,
+                      bf16_flops=1.97e14, mxu=128, block_q=512,
+                      block_kv=512),
+    "v5p": Generation("v5p", vmem_bytes=64 * MIB, hbm_bytes_per_s=2.46e12,
+                      bf16_flops=4.59e14, mxu=128, block_q=512,
+                      block_kv=512),
+    "v6e": Generation("v6e", vmem_bytes=128 * MIB, hbm_bytes_per_s=1.64e12,
+                      bf16_flops=9.2e14, mxu=256, block_q=1024,
+                      block_kv=512),
+}
+
+# Other or unknown TPUs (and interpret mode off a TPU): the smallest VMEM of
+# the table, 128-wide blocks.
+FALLBACK = Generation("unknown", vmem_bytes=16 * MIB, hbm_bytes_per_s=8.2e11,
+                      bf16_flops=1.97e14, mxu=128, block_q=512, block_kv=512)
+
+_DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+    "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+}
+
+
+def target_device() -> tuple[str, str]:
+  """``(platform, device_kind)`` that a call is traced for: the abstract
+  device of an active ``jax.sharding.use_abstract_mesh`` when it names one
+  (e.g. exporting for a TPU from a CPU host with
+  ``jax.export.export(..., platforms=["tpu"])``), else the default device."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None:
+    return device.platform, device.device_kind
+  return jax.default_backend(), jax.devices()[0].device_kind
+
+
+def generation_of(device_kind: str) -> Generation:
+  """The :class:`Generation` of a ``jax.Device.device_kind`` (e.g.
+  ``"TPU v5 lite"``); :data:`FALLBACK` for anything else."""
+  name = _DEVICE_KINDS.get(device_kind)
+  return GENERATIONS[name] if name else FALLBACK
+
+
+def vmem_estimate(block_q: int, block_kv: int, head_dim: int, itemsize: int,
+                  *, segment_ids: bool = True) -> dict[str, int]:
+  """Bytes of VMEM each kernel holds at once (an estimate that errs high).
+
+  Counts the double-buffered input and output blocks, the scratch
+  accumulators and four ``[block_q, block_kv]`` float32 temporaries (logits,
+  probabilities, their gradient and the element mask).
+
+  Args:
+    block_q, block_kv: the tiling.
+    head_dim: the padded head dim (a multiple of 128).
+    itemsize: bytes per element of query/key/value (2 or 4).
+    segment_ids: count the blocks of segment ids.
+
+  Returns:
+    ``{"forward": ..., "dq": ..., "dkv": ...}`` in bytes.
+  """
+  f32 = 4
+  q_blk = block_q * head_dim * itemsize
+  kv_blk = block_kv * head_dim * itemsize
+  # Per-row statistics are stored as [1, block] rows, padded to 8 sublanes.
+  row_q = SUBLANES * block_q * f32
+  tile = block_q * block_kv * f32
+  seg = 0
+  if segment_ids:  # a [block, 1] column (lane-padded) and a [1, block] row
+    seg = 2 * (block_q * LANES * 4 + SUBLANES * block_kv * 4)
+  stats = 2 * block_q * LANES * f32  # running max and sum
+  forward = (2 * q_blk + 4 * kv_blk + 2 * block_q * head_dim * f32
+             + 2 * row_q + seg + stats + block_q * head_dim * f32 + 3 * tile)
+  dq = (4 * q_blk + 4 * kv_blk + 4 * row_q + 2 * q_blk + seg
+        + block_q * head_dim * f32 + 4 * tile)
+  dkv = (4 * q_blk + 4 * kv_blk + 4 * row_q + 4 * kv_blk + seg
+         + 2 * block_kv * head_dim * f32 + 4 * tile)
+  return {"forward": forward, "dq": dq, "dkv": dkv}
+
+
+def fit_blocks(gen: Generation, head_dim: int,
+               itemsize: int) -> tuple[int, int]:
+  """The generation's default tiling, halved (``block_kv`` first, never
+  below the MXU width) until every kernel's :func:`vmem_estimate` fits in
+  half of ``gen.vmem_limit_bytes`` (the other half is slack for what the
+  estimate does not see: Mosaic's relayouts and spills)."""
+  block_q, block_kv = gen.block_q, gen.block_kv
+  budget = gen.vmem_limit_bytes // 2
+  floor = gen.mxu
+  while max(vmem_estimate(block_q, block_kv, head_dim,
+                          itemsize).values()) > budget:
+    if block_kv >= block_q and block_kv > floor:
+      block_kv //= 2
+    elif block_q > floor:
+      block_q //= 2
+    elif block_kv > floor:
+      block_kv //= 2
+    else:
+      break
+  return block_q, block_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuConfig:
+  """Tiling of the ``mosaic_tpu`` kernels.
+
+  Attributes:
+    block_q: query rows per tile, or None for the generation's default
+      (fitted to VMEM, see :func:`fit_blocks`).  Compiling for a TPU needs a
+      multiple of 128; in interpret mode any multiple of 8 works (small
+      blocks make small test shapes span many tiles).  Clipped to the
+      sequence length rounded up to that granule.
+    block_kv: keys per tile, same rules.
+    vmem_limit_bytes: scoped VMEM requested per kernel, or None for the
+      generation's :attr:`Generation.vmem_limit_bytes`.
+    interpret_params: what ``pallas_call(interpret=...)`` receives when a
+      call asks for ``interpret=True``: None for ``True`` (Pallas's generic
+      interpreter: fast), or for instance
+      ``jax.experimental.pallas.tpu.InterpretParams()`` for the TPU
+      interpreter, which also simulates DMAs and VMEM (slower).
+  """
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  vmem_limit_bytes: int | None = None
+  interpret_params: Any = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+          or value < SUBLANES or value % SUBLANES):
+        raise ValueError(f"MosaicTpuConfig.{name} must be None or a positive "
+                         f"multiple of {SUBLANES} (of 128 to compile for a "
+                         f"TPU), got {value!r}")
+    limit = self.vmem_limit_bytes
+    if limit is not None and (not isinstance(limit, (int, np.integer))
+                              or isinstance(limit, bool) or limit < MIB):
+      raise ValueError("MosaicTpuConfig.vmem_limit_bytes must be None or an "
+                       f"int of at least {MIB} (1 MiB), got {limit!r}")
+
+  def resolve(self, gen: Generation, head_dim: int, itemsize: int, *,
+              interpret: bool) -> tuple[int, int, int]:
+    """``(block_q, block_kv, vmem_limit_bytes)`` for one call before
+    clipping to the sequence lengths.
+
+    Raises:
+      ValueError: an explicit block is not a multiple of 128 while
+        compiling for a TPU.
+    """
+    default_q, default_kv = fit_blocks(gen, head_dim, itemsize)
+    block_q = default_q if self.block_q is None else int(self.block_q)
+    block_kv = default_kv if self.block_kv is None else int(self.block_kv)
+    if not interpret:
+      for name, value in (("block_q", block_q), ("block_kv", block_kv)):
+        if value % LANES:
+          raise ValueError(
+              f"MosaicTpuConfig.{name}={value} must be a multiple of "
+              f"{LANES} to compile for a TPU (smaller multiples of "
+              f"{SUBLANES} are for interpret=True only)")
+    limit = (gen.vmem_limit_bytes if self.vmem_limit_bytes is None
+             else int(self.vmem_limit_bytes))
+    return block_q, block_kv, limit

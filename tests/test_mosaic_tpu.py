@@ -1,0 +1,329 @@
+"""The ``mosaic_tpu`` kernels in Pallas's interpret mode on the CPU: the
+shared conformance suite, the tile schedule they walk, their configuration
+and when they decline.
+
+Blocks of 16 x 32 (legal in interpret mode only) make the suite's small
+shapes span several tiles in both directions.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import masks
+from jflash.backends.mosaic_tpu import (GENERATIONS, MosaicTpuBackend,
+                                        MosaicTpuConfig, common, config)
+from tests import conformance
+from tests._support import (Case, fresh_rng, grads_of, random_qkv,
+                            random_segments, rel_err)
+
+SMALL = MosaicTpuBackend(MosaicTpuConfig(block_q=16, block_kv=32))
+
+
+class TestMosaicTpuInterpret(conformance.AttentionConformance):
+  implementation = SMALL
+  interpret = True
+  supports_bias = False
+  supports_dense_mask = False
+  dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+  # Bias broadcasting is declined as a whole (test_unsupported_features_
+  # decline covers it).
+  test_bias_broadcasting = None
+
+
+def _call(rng, *, b=2, t=100, s=100, n=4, k=2, h=32, dtype=jnp.float32,
+          **kwargs):
+  q, key, value = random_qkv(rng, b=b, t=t, s=s, n=n, k=k, h=h, dtype=dtype)
+  case = Case(q, key, value, kwargs=kwargs)
+  call, _ = case.canonical(q, key, value, None)
+  return dataclasses.replace(call, interpret=True), case
+
+
+# ------------------------------------------------------------- sparsity
+def _nonempty_tiles(visible: np.ndarray, bq: int, bk: int) -> np.ndarray:
+  """``[B, nq, nk]``: tiles holding a visible pair (brute force)."""
+  b, t, s = visible.shape
+  nq, nk = -(-t // bq), -(-s // bk)
+  padded = np.zeros((b, nq * bq, nk * bk), bool)
+  padded[:, :t, :s] = visible
+  return padded.reshape(b, nq, bq, nk, bk).any(axis=(2, 4))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True, local_window_size=(20, 0)),
+    dict(is_causal=True, local_window_size=(7, 3),
+         key_value_seq_lengths=np.array([100, 41], np.int32)),
+], ids=["causal_window", "causal_window_lengths"])
+def test_kernels_visit_only_nonempty_tiles(kwargs):
+  """Counted inside the kernels: each visits exactly the tiles with a
+  visible pair, per batch row, and the visit lists are shorter than a
+  full row of tiles (the grid itself shrinks)."""
+  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+            for k, v in kwargs.items()}
+  call, _ = _call(fresh_rng(), **kwargs)
+  visits = SMALL.tile_visits(call)
+  plan = SMALL.plan(call)
+  visible = np.asarray(call.mask.visibility())[:, 0]
+  tiles = _nonempty_tiles(visible, plan.block_q, plan.block_kv)
+  heads, kv_heads = call.query.shape[2], call.key.shape[2]
+  expected_rows = tiles.sum(2)  # [B, nq]
+  expected_cols = tiles.sum(1)  # [B, nk]
+  want = np.broadcast_to(expected_rows[:, None], (tiles.shape[0], heads,
+                                                  tiles.shape[1]))
+  np.testing.assert_array_equal(np.asarray(visits["forward"]), want)
+  np.testing.assert_array_equal(np.asarray(visits["dq"]), want)
+  np.testing.assert_array_equal(
+      np.asarray(visits["dkv"]),
+      np.broadcast_to(expected_cols[:, None] * (heads // kv_heads),
+                      (tiles.shape[0], kv_heads, tiles.shape[2])))
+  total = int(np.asarray(visits["forward"]).sum())
+  assert total == heads * tiles.sum() < heads * tiles.size / 2
+  assert plan.kv_steps < plan.num_kv and plan.q_steps < plan.num_q
+
+
+def test_empty_tiles_are_never_copied():
+  """Replays the key/value block index the kernels' BlockSpecs compute at
+  every grid step: Pallas copies a block only when the index changes, so
+  the copies are exactly one per visited tile (plus, for a query block with
+  nothing to visit, one block it never computes with)."""
+  rng = fresh_rng()
+  call, _ = _call(rng, b=1, t=200, s=200, is_causal=True,
+                  local_window_size=(30, 0))
+  plan = SMALL.plan(call)
+  meta = jax.tree.map(np.asarray, common.metadata(call.mask, plan))
+  classes = np.asarray(masks.tile_classes(call.mask, plan.block_q,
+                                          plan.block_kv))[0]
+  copies, previous = 0, None
+  for i in range(plan.num_q):
+    for j in range(plan.kv_steps):
+      block, cls = (int(x) for x in common.visit_at(
+          meta.kv_visits, meta.kv_count, 0, i, j))
+      if j < meta.kv_count[0, i]:
+        assert classes[i, block] != masks.EMPTY and cls == classes[i, block]
+      if (i, block) != previous:
+        copies += 1
+        assert classes[i, block] != masks.EMPTY
+      previous = (i, block)
+  assert copies == int((classes != masks.EMPTY).sum())
+
+
+def test_step_bounds_cover_every_schedule():
+  """masks.max_visited_blocks never cuts a visit list short (checked
+  against a brute-force NumPy mask)."""
+  rng = np.random.default_rng(0)
+  for _ in range(300):
+    t, s = (int(x) for x in rng.integers(1, 300, 2))
+    bq, bk = (int(x) for x in rng.choice([8, 16, 32, 64], 2))
+    causal = bool(rng.random() < 0.5)
+    window = None
+    if rng.random() < 0.8:
+      window = tuple(int(x) for x in rng.integers(0, 80, 2))
+    mask = masks.AttentionMask(batch=1, q_len=t, kv_len=s, is_causal=causal,
+                               window=window)
+    rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+    visible = np.ones((t, s), bool)
+    if causal:
+      visible &= cols <= rows
+    if window is not None:
+      visible &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+    tiles = _nonempty_tiles(visible[None], bq, bk)[0]
+    per_q, per_kv = masks.max_visited_blocks(mask, bq, bk)
+    assert tiles.sum(1).max() <= per_q <= -(-s // bk)
+    assert tiles.sum(0).max() <= per_kv <= -(-t // bq)
+
+
+def test_visibility_at_matches_block_visibility():
+  rng = fresh_rng()
+  call, _ = _call(rng, b=2, t=50, s=70, is_causal=True,
+                  local_window_size=(9, 4),
+                  query_seq_lengths=jnp.asarray([50, 20], jnp.int32),
+                  key_value_seq_lengths=jnp.asarray([33, 70], jnp.int32),
+                  segment_ids=(jnp.asarray(np.sort(rng.integers(0, 3, (2, 50)))),
+                               jnp.asarray(np.sort(rng.integers(0, 3, (2, 70))))))
+  mask = call.mask
+  want = np.asarray(mask.visibility())[:, 0]
+  q_idx, kv_idx = np.arange(50)[:, None], np.arange(70)[None, :]
+  for b in range(2):
+    got = masks.visibility_at(
+        mask, q_idx, kv_idx, q_length=mask.q_lengths[b],
+        kv_length=mask.kv_lengths[b],
+        q_segment_ids=mask.q_segment_ids[b][:, None],
+        kv_segment_ids=mask.kv_segment_ids[b][None, :])
+    np.testing.assert_array_equal(np.asarray(got), want[b])
+    got_t = masks.visibility_at(
+        mask, q_idx.T, kv_idx.T, q_length=mask.q_lengths[b],
+        kv_length=mask.kv_lengths[b],
+        q_segment_ids=mask.q_segment_ids[b][None, :],
+        kv_segment_ids=mask.kv_segment_ids[b][:, None])
+    np.testing.assert_array_equal(np.asarray(got_t), want[b].T)
+
+
+# ------------------------------------------------------------- declining
+def test_declines_what_it_cannot_compute():
+  rng = fresh_rng()
+  q, k, v = random_qkv(rng)
+  for extra, pattern in ((dict(bias=jnp.ones((12, 12))), "bias"),
+                         (dict(mask=jnp.ones((12, 12), bool)), "mask")):
+    with pytest.raises(NotImplementedError, match=pattern):
+      jflash.dot_product_attention(q, k, v, **extra, implementation=SMALL,
+                                   interpret=True)
+    # A sequence of backends falls through to one that serves the call.
+    out = jflash.dot_product_attention(q, k, v, **extra,
+                                       implementation=(SMALL, "xla"),
+                                       interpret=True)
+    assert out.shape == q.shape
+  wide = random_qkv(rng, h=320)
+  with pytest.raises(NotImplementedError, match="head dim 320"):
+    jflash.dot_product_attention(*wide, implementation=SMALL, interpret=True)
+
+
+# ---------------------------------------------------------------- config
+def test_config_validation():
+  with pytest.raises(ValueError, match=r"block_q.*multiple of 8.*got 12"):
+    MosaicTpuConfig(block_q=12)
+  with pytest.raises(ValueError, match="block_kv"):
+    MosaicTpuConfig(block_kv=0)
+  with pytest.raises(ValueError, match="vmem_limit_bytes"):
+    MosaicTpuConfig(vmem_limit_bytes=10)
+  gen = GENERATIONS["v5e"]
+  with pytest.raises(ValueError, match=r"block_q=64 must be a multiple of 128"):
+    MosaicTpuConfig(block_q=64).resolve(gen, 128, 2, interpret=False)
+  assert MosaicTpuConfig(block_q=64).resolve(gen, 128, 2,
+                                             interpret=True)[0] == 64
+
+
+def test_generation_defaults_fit_vmem():
+  """Every generation's default tiling is a multiple of its MXU width and
+  its estimated working set fits half of the VMEM it requests, for every
+  head dim and dtype served."""
+  assert config.generation_of("TPU v5 lite").name == "v5e"
+  assert config.generation_of("TPU v6 lite").name == "v6e"
+  assert config.generation_of("TPU v5").name == "v5p"
+  assert config.generation_of("TPU v4").name == "v4"
+  assert config.generation_of("cpu") is config.FALLBACK
+  for gen in [*GENERATIONS.values(), config.FALLBACK]:
+    assert gen.vmem_limit_bytes <= gen.vmem_bytes
+    for head_dim in (128, 256):
+      for itemsize in (2, 4):
+        bq, bk = config.fit_blocks(gen, head_dim, itemsize)
+        assert bq % gen.mxu == 0 and bk % gen.mxu == 0
+        need = max(config.vmem_estimate(bq, bk, head_dim, itemsize).values())
+        assert need <= gen.vmem_limit_bytes // 2, (gen.name, head_dim)
+  # bf16, H=128: the table's blocks are used as they are.
+  assert config.fit_blocks(GENERATIONS["v6e"], 128, 2) == (1024, 512)
+  assert config.fit_blocks(GENERATIONS["v5e"], 128, 2) == (512, 512)
+
+
+def _tpu_mesh(device_kind: str, cores: int):
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  device = AbstractDevice(device_kind=device_kind, num_cores=cores,
+                          platform="tpu")
+  return AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=device)
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_default_plan_follows_the_generation(interpret):
+  """The default tiling comes from the target TPU's generation; short
+  sequences round blocks up to whole 128-row tiles, in interpret mode too,
+  which therefore runs the plan the TPU would."""
+  call, _ = _call(fresh_rng(), t=300, s=1100, h=80)
+  call = dataclasses.replace(call, interpret=interpret)
+  with jax.sharding.use_abstract_mesh(_tpu_mesh("TPU v6 lite", 1)):
+    plan = MosaicTpuBackend().plan(call)
+  assert (plan.block_q, plan.block_kv, plan.head_dim) == (384, 512, 128)
+  assert (plan.num_q, plan.num_kv) == (1, 3)
+  assert plan.vmem_limit_bytes == GENERATIONS["v6e"].vmem_limit_bytes
+  assert plan.interpret is interpret
+  small = SMALL.plan(dataclasses.replace(call, interpret=True))
+  assert (small.block_q, small.block_kv) == (16, 32)
+
+
+def test_tpu_legal_blocks_in_interpret_mode():
+  """128-row blocks, the smallest a TPU compiles, over 3 x 3 tiles:
+  output and gradients against the ``xla`` backend."""
+  rng = fresh_rng()
+  q, k, v = random_qkv(rng, b=1, t=300, s=300, n=2, k=1, h=64)
+  case = Case(q, k, v, kwargs=dict(
+      is_causal=True, local_window_size=(150, 0),
+      segment_ids=jnp.asarray(random_segments(rng, 1, 300))))
+  cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  tiles = MosaicTpuBackend(MosaicTpuConfig(block_q=128, block_kv=128))
+
+  def run(implementation, interpret):
+    def fn(q, k, v, bias):
+      return case.call_jflash(q, k, v, bias, implementation=implementation,
+                              interpret=interpret)
+    return jax.jit(lambda *a: (fn(*a), grads_of(fn, Case(*a), cot)))(
+        *case.arrays)
+
+  got, want = run(tiles, True), run("xla", False)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(g, w) < 1e-5
+
+
+def test_tpu_interpreter_with_two_cores():
+  """Pallas's TPU interpreter simulates DMAs, fills uninitialized VMEM with
+  NaN and here splits the parallel grid axes over two cores, as on a v4 or
+  v5p megacore: output and gradients against the ``xla`` backend."""
+  from jax.experimental.pallas import tpu as pltpu
+  rng = fresh_rng()
+  q, k, v = random_qkv(rng, b=2, t=40, s=40, n=2, k=1, h=32)
+  case = Case(q, k, v, kwargs=dict(
+      is_causal=True, local_window_size=(9, 0),
+      key_value_seq_lengths=jnp.asarray([30, 40], jnp.int32),
+      segment_ids=jnp.asarray(random_segments(rng, 2, 40))))
+  cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  backend = MosaicTpuBackend(MosaicTpuConfig(
+      block_q=16, block_kv=16,
+      interpret_params=pltpu.InterpretParams(num_cores_or_threads=2)))
+
+  def run(implementation, interpret):
+    def fn(q, k, v, bias):
+      return case.call_jflash(q, k, v, bias, implementation=implementation,
+                              interpret=interpret)
+    return jax.jit(lambda *a: (fn(*a), grads_of(fn, Case(*a), cot)))(
+        *case.arrays)
+
+  got, want = run(backend, True), run("xla", False)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,features", [
+    (jnp.bfloat16, "all"), (jnp.float32, "causal")], ids=["bf16", "f32"])
+@pytest.mark.parametrize("device_kind,cores", [
+    ("TPU v4", 2), ("TPU v5 lite", 1), ("TPU v5", 2), ("TPU v6 lite", 1)])
+def test_lowers_for_each_tpu_generation_from_the_cpu(device_kind, cores,
+                                                     dtype, features):
+  """Exports forward and backward for a TPU with the generation's default
+  tiling: this runs Pallas's Mosaic lowering (block shapes, scalar
+  prefetch, a Mosaic rule for every op in the kernels) without a TPU.
+  Mosaic's own compiler passes run only on a TPU and are not covered."""
+  from jax import export
+  rng = fresh_rng()
+  t, s = 300, 1100
+  q, k, v = random_qkv(rng, t=t, s=s, n=4, k=2, h=64, dtype=dtype)
+  kwargs = dict(is_causal=True)
+  if features == "all":
+    kwargs.update(
+        local_window_size=(100, 0),
+        key_value_seq_lengths=jnp.asarray([s, 200], jnp.int32),
+        segment_ids=(jnp.asarray(random_segments(rng, 2, t)),
+                     jnp.asarray(random_segments(rng, 2, s))),
+        logits_soft_cap=30.0)
+
+  def loss(q, k, v):
+    out, lse = jflash.dot_product_attention(
+        q, k, v, **kwargs, implementation="mosaic_tpu", return_residual=True)
+    return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
+
+  with jax.sharding.use_abstract_mesh(_tpu_mesh(device_kind, cores)):
+    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                             platforms=["tpu"])(q, k, v)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
