@@ -71,12 +71,16 @@ def _dq_kernel(*refs, plan: Plan):
   def step(masked: bool):
     q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
     s, tanh = common.logits(q, k, plan)
+    visible = None
     if masked:
-      s = common.apply_mask(
-          s, plan, q_start=i * plan.block_q, kv_start=kv_block * plan.block_kv,
+      kv_start = kv_block * plan.block_kv
+      s, visible = common.apply_mask(
+          s, plan, q_start=i * plan.block_q, kv_start=kv_start,
           transposed=False, lengths=common.lengths_of(plan, length_refs, b),
           q_ids=None if r["q_ids"] is None else r["q_ids"][...],
           kv_ids=None if r["kv_ids"] is None else r["kv_ids"][...])
+      if plan.kv_tail:
+        k = common.zero_rows_past(k, kv_start, plan.rules.kv_len)
     lse = r["lse"][0][:, None]  # [1, bq] row -> [bq, 1] column
     delta = r["delta"][0][:, None]
     p = jnp.exp(s - lse)
@@ -86,6 +90,10 @@ def _dq_kernel(*refs, plan: Plan):
     ds = p * (dp - delta)
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)
+    if visible is not None:
+      # Hidden pairs contribute exactly 0, whatever lies past the sequence
+      # ends (rows of dO, the statistics, and V there are unspecified).
+      ds = jnp.where(visible, ds, 0.0)
     r["acc"][...] += lax.dot_general(
         ds.astype(k.dtype), k, common.NN_DIMS,
         precision=common.precision_for(k.dtype),
@@ -121,14 +129,20 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
   def step(masked: bool):
     q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
     s, tanh = common.logits(k, q, plan)  # [bkv, bq]
+    visible = None
     if masked:
-      s = common.apply_mask(
-          s, plan, q_start=q_block * plan.block_q,
-          kv_start=ki * plan.block_kv, transposed=True,
-          lengths=common.lengths_of(plan, length_refs, b),
+      q_start = q_block * plan.block_q
+      s, visible = common.apply_mask(
+          s, plan, q_start=q_start, kv_start=ki * plan.block_kv,
+          transposed=True, lengths=common.lengths_of(plan, length_refs, b),
           q_ids=None if r["q_ids"] is None else r["q_ids"][...],
           kv_ids=None if r["kv_ids"] is None else r["kv_ids"][...])
+      if plan.q_tail:
+        q = common.zero_rows_past(q, q_start, plan.rules.q_len)
+        do = common.zero_rows_past(do, q_start, plan.rules.q_len)
     p = jnp.exp(s - r["lse"][...])  # lse row [1, bq]
+    if visible is not None:
+      p = jnp.where(visible, p, 0.0)  # the statistics past T are unspecified
     r["dv_acc"][...] += lax.dot_general(
         p.astype(do.dtype), do, common.NN_DIMS,
         precision=common.precision_for(do.dtype),
@@ -139,6 +153,8 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
     ds = p * (dp - r["delta"][...])
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)
+    if visible is not None:
+      ds = jnp.where(visible, ds, 0.0)
     r["dk_acc"][...] += lax.dot_general(
         ds.astype(q.dtype), q, common.NN_DIMS,
         precision=common.precision_for(q.dtype),
@@ -155,11 +171,9 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
     r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
 
 
-def _segment_operands(mask: masks.AttentionMask, plan: Plan):
-  q_col, q_row = common.segment_layouts(mask.q_segment_ids, plan.q_padded)
-  kv_col, kv_row = common.segment_layouts(mask.kv_segment_ids,
-                                          plan.kv_padded)
-  return q_col, q_row, kv_col, kv_row
+def _segment_operands(mask: masks.AttentionMask):
+  return (*common.segment_layouts(mask.q_segment_ids),
+          *common.segment_layouts(mask.kv_segment_ids))
 
 
 def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
@@ -168,15 +182,15 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
   """dQ on kernel-layout operands.
 
   Args:
-    q, do: ``[B, N, Tp, Hp]``.
-    k, v: ``[B, K, Sp, Hp]``.
-    lse, delta: ``[B, N, 1, Tp]`` float32 (``lse`` with ``-inf`` replaced
+    q, do: ``[B, N, T, Hp]``.
+    k, v: ``[B, K, S, Hp]``.
+    lse, delta: ``[B, N, 1, T]`` float32 (``lse`` with ``-inf`` replaced
       by 0).
     mask, meta, plan: as for :func:`jflash.backends.mosaic_tpu.forward.forward`.
     out_dtype: dtype of dQ.
 
   Returns:
-    ``dq [B, N, Tp, Hp]`` and, with ``plan.count_visits``, the visit
+    ``dq [B, N, T, Hp]`` and, with ``plan.count_visits``, the visit
     counter ``[B, N, nq, 8, 128]``.
   """
   batch, heads, _, hp = q.shape
@@ -204,7 +218,7 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
               pl.BlockSpec((None, None, 1, bq), row_map),
               pl.BlockSpec((None, None, 1, bq), row_map)]
   if plan.has_segments:
-    q_col, _, _, kv_row = _segment_operands(mask, plan)
+    q_col, _, _, kv_row = _segment_operands(mask)
     operands += [q_col, kv_row]
     in_specs += [
         pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
@@ -237,7 +251,7 @@ def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
   """dK and dV on kernel-layout operands (shapes as for :func:`dq`).
 
   Returns:
-    ``dk``, ``dv`` ``[B, K, Sp, Hp]`` and, with ``plan.count_visits``, the
+    ``dk``, ``dv`` ``[B, K, S, Hp]`` and, with ``plan.count_visits``, the
     visit counter ``[B, K, nk, 8, 128]`` (summed over the query-head group).
   """
   batch, heads, _, hp = q.shape
@@ -266,7 +280,7 @@ def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
               pl.BlockSpec((None, None, 1, bq), row_map),
               pl.BlockSpec((None, None, 1, bq), row_map)]
   if plan.has_segments:
-    _, q_row, kv_col, _ = _segment_operands(mask, plan)
+    _, q_row, kv_col, _ = _segment_operands(mask)
     operands += [q_row, kv_col]
     in_specs += [
         pl.BlockSpec((None, 1, bq), lambda b, h, ki, g, j, visits, count, *_: (

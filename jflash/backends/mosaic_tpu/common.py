@@ -2,10 +2,12 @@
 the kernel layout of the operands, the tile-visit metadata passed by scalar
 prefetch, and the per-tile logits and element mask.
 
-Kernel layout: ``[B, N, Tp, Hp]`` for query-side arrays and
-``[B, K, Sp, Hp]`` for keys and values, sequences padded to whole blocks and
-head dims to 128 lanes with zeros.  Per-row statistics (logsumexp, delta)
-live as lane-dense rows ``[B, N, 1, Tp]``.  Segment ids come in both
+Kernel layout: ``[B, N, T, Hp]`` for query-side arrays and
+``[B, K, S, Hp]`` for keys and values, head dims padded to 128 lanes with
+zeros.  Sequences are not padded: a tile that hangs over a sequence end is
+always PARTIAL (never FULL), and PARTIAL tiles mask what lies past the end.
+Per-row statistics (logsumexp, delta) live as lane-dense rows
+``[B, N, 1, T]``.  Segment ids come in both
 orientations, ``[B, L, 1]`` columns and ``[B, 1, L]`` rows, so that every
 kernel broadcasts them along the axis it needs without a transpose.
 """
@@ -71,12 +73,14 @@ class Plan:
   count_visits: bool = False
 
   @property
-  def q_padded(self) -> int:
-    return self.num_q * self.block_q
+  def q_tail(self) -> bool:
+    """The last query block hangs over the end of the queries."""
+    return self.rules.q_len % self.block_q != 0
 
   @property
-  def kv_padded(self) -> int:
-    return self.num_kv * self.block_kv
+  def kv_tail(self) -> bool:
+    """The last key block hangs over the end of the keys."""
+    return self.rules.kv_len % self.block_kv != 0
 
   @property
   def num_lengths(self) -> int:
@@ -140,40 +144,35 @@ def visit_at(visits, count, sb, row, j):
 
 
 # ------------------------------------------------------------------ layout
-def _pad_to(x: Array, axis: int, size: int) -> Array:
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
+def to_kernel_layout(x: Array, head_dim: int) -> Array:
+  """``[B, L, N, H]`` -> ``[B, N, L, head_dim]``, the head dim zero padded.
 
-
-def to_kernel_layout(x: Array, seq: int, head_dim: int) -> Array:
-  """``[B, L, N, H]`` -> ``[B, N, seq, head_dim]``, zero padded."""
-  x = _pad_to(_pad_to(x, 1, seq), 3, head_dim)
+  Sequences are not padded: the last block of a sequence may hang over its
+  end, where Pallas reads unspecified values and drops writes; the kernels
+  mask those rows (see :func:`zero_rows_past`)."""
+  if x.shape[3] != head_dim:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, head_dim - x.shape[3])))
   return jnp.transpose(x, (0, 2, 1, 3))
 
 
-def from_kernel_layout(x: Array, length: int, head_dim: int) -> Array:
-  """``[B, N, Lp, Hp]`` -> ``[B, length, N, head_dim]``."""
-  return jnp.transpose(x[:, :, :length, :head_dim], (0, 2, 1, 3))
+def from_kernel_layout(x: Array, head_dim: int) -> Array:
+  """``[B, N, L, Hp]`` -> ``[B, L, N, head_dim]``."""
+  return jnp.transpose(x[..., :head_dim], (0, 2, 1, 3))
 
 
-def rows_to_kernel(x: Array, seq: int) -> Array:
-  """Per-row statistics ``[B, T, N]`` -> ``[B, N, 1, seq]`` float32."""
-  x = _pad_to(x.astype(jnp.float32), 1, seq)
-  return jnp.transpose(x, (0, 2, 1))[:, :, None, :]
+def rows_to_kernel(x: Array) -> Array:
+  """Per-row statistics ``[B, T, N]`` -> ``[B, N, 1, T]`` float32."""
+  return jnp.transpose(x.astype(jnp.float32), (0, 2, 1))[:, :, None, :]
 
 
-def rows_from_kernel(x: Array, length: int) -> Array:
-  """``[B, N, 1, Tp]`` -> ``[B, length, N]``."""
-  return jnp.transpose(x[:, :, 0, :length], (0, 2, 1))
+def rows_from_kernel(x: Array) -> Array:
+  """``[B, N, 1, T]`` -> ``[B, T, N]``."""
+  return jnp.transpose(x[:, :, 0, :], (0, 2, 1))
 
 
-def segment_layouts(ids: Array, seq: int) -> tuple[Array, Array]:
-  """Segment ids ``[B, L]`` -> (column ``[B, seq, 1]``, row ``[B, 1, seq]``).
-  Padded positions are hidden by the sequence bound, whatever their id."""
-  ids = _pad_to(ids.astype(jnp.int32), 1, seq)
+def segment_layouts(ids: Array) -> tuple[Array, Array]:
+  """Segment ids ``[B, L]`` -> (column ``[B, L, 1]``, row ``[B, 1, L]``)."""
+  ids = ids.astype(jnp.int32)
   return ids[:, :, None], ids[:, None, :]
 
 
@@ -214,9 +213,11 @@ def logits(a: Array, b: Array, plan: Plan) -> tuple[Array, Array | None]:
 
 def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
                lengths: tuple[Array | None, Array | None],
-               q_ids: Array | None, kv_ids: Array | None) -> Array:
-  """``s`` with hidden pairs set to ``-inf``; the rule is
-  :func:`jflash.masks.visibility_at`.
+               q_ids: Array | None, kv_ids: Array | None
+               ) -> tuple[Array, Array]:
+  """``s`` with hidden pairs set to ``-inf``, and the visibility; the rule
+  is :func:`jflash.masks.visibility_at`.  Positions past the sequence ends
+  are hidden, whatever the (unspecified) data there.
 
   Args:
     s: ``[bq, bk]`` logits, or ``[bk, bq]`` when ``transposed``.
@@ -234,7 +235,15 @@ def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
   visible = masks.visibility_at(plan.rules, q_idx, kv_idx,
                                 q_length=lengths[0], kv_length=lengths[1],
                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-  return jnp.where(visible, s, -jnp.inf)
+  return jnp.where(visible, s, -jnp.inf), visible
+
+
+def zero_rows_past(x: Array, start, length: int) -> Array:
+  """``x [rows, H]`` (rows ``start ..``) with the rows at or past
+  ``length`` set to 0: a block that hangs over a sequence end holds
+  unspecified values there, and a zero probability times a NaN is NaN."""
+  rows = start + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.where(rows < length, x, jnp.zeros((), x.dtype))
 
 
 def when_visited(count, j, cls, step) -> None:

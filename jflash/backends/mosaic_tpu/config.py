@@ -52,20 +52,21 @@ class Generation:
   @property
   def vmem_limit_bytes(self) -> int:
     """Scoped VMEM requested per kernel: three quarters of a core's VMEM,
-    at most 96 MiB (the rest is left to Mosaic's internal scratch)."""
-    return min(self.vmem_bytes * 3 // 4, 96 * MIB)
+    at most 64 MiB (the rest is left to Mosaic's internal scratch)."""
+    return min(self.vmem_bytes * 3 // 4, 64 * MIB)
 
 
-# Figures from JAX's own hardware table (jax/_src/tpu_info.py, JAX 0.11.2),
-# which match Google Cloud's published per-chip specifications; see
-# docs/tpu.md for the derivation of the block sizes.
+# Peak bfloat16 rate and HBM bandwidth per chip: Google Cloud's TPU pages
+# (v5e, v5p, v6e; v4 from secondary sources).  VMEM per TensorCore: JAX's
+# hardware table (jax/_src/tpu_info.py in JAX 0.11.2).  docs/tpu.md derives
+# the block sizes and says which figures are unconfirmed.
 GENERATIONS: dict[str, Generation] = {
-    "v4": Generation("v4", vmem_bytes=16 * MIB, hbm_bytes_per_s=1.23e12,
+    "v4": Generation("v4", vmem_bytes=16 * MIB, hbm_bytes_per_s=1.2e12,
                      bf16_flops=2.75e14, mxu=128, block_q=512, block_kv=512),
-    "v5e": Generation("v5e", vmem_bytes=128 * MIB, hbm_bytes_per_s=8.2e11,
+    "v5e": Generation("v5e", vmem_bytes=128 * MIB, hbm_bytes_per_s=8.19e11,
                       bf16_flops=1.97e14, mxu=128, block_q=512,
                       block_kv=512),
-    "v5p": Generation("v5p", vmem_bytes=64 * MIB, hbm_bytes_per_s=2.46e12,
+    "v5p": Generation("v5p", vmem_bytes=64 * MIB, hbm_bytes_per_s=2.765e12,
                       bf16_flops=4.59e14, mxu=128, block_q=512,
                       block_kv=512),
     "v6e": Generation("v6e", vmem_bytes=128 * MIB, hbm_bytes_per_s=1.64e12,

@@ -59,11 +59,14 @@ def _kernel(*refs, plan: Plan):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     s, _ = common.logits(q, k, plan)
     if masked:
-      s = common.apply_mask(
-          s, plan, q_start=i * plan.block_q, kv_start=kv_block * plan.block_kv,
+      kv_start = kv_block * plan.block_kv
+      s, _ = common.apply_mask(
+          s, plan, q_start=i * plan.block_q, kv_start=kv_start,
           transposed=False, lengths=common.lengths_of(plan, length_refs, b),
           q_ids=None if q_ids_ref is None else q_ids_ref[...],
           kv_ids=None if kv_ids_ref is None else kv_ids_ref[...])
+      if plan.kv_tail:
+        v = common.zero_rows_past(v, kv_start, plan.rules.kv_len)
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     # A row that has seen no key yet keeps -inf; subtracting 0 instead keeps
@@ -97,8 +100,8 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
   """Runs the forward kernel on kernel-layout operands.
 
   Args:
-    q: ``[B, N, Tp, Hp]``.
-    k, v: ``[B, K, Sp, Hp]``.
+    q: ``[B, N, T, Hp]``.
+    k, v: ``[B, K, S, Hp]``.
     mask: the call's mask (its lengths and segment ids reach the kernel).
     meta: the call's tile visits.
     plan: the static plan.
@@ -106,7 +109,7 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
       take ``delta`` from it).
 
   Returns:
-    ``out [B, N, Tp, Hp]``, ``lse [B, N, 1, Tp]`` float32 and, with
+    ``out [B, N, T, Hp]``, ``lse [B, N, 1, T]`` float32 and, with
     ``plan.count_visits``, the visit counter ``[B, N, nq, 8, 128]``.
   """
   batch, heads, _, hp = q.shape
@@ -130,13 +133,13 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
       pl.BlockSpec((None, None, bkv, hp), kv_map),
   ]
   if plan.has_segments:
-    q_col, _ = common.segment_layouts(mask.q_segment_ids, plan.q_padded)
-    _, kv_row = common.segment_layouts(mask.kv_segment_ids, plan.kv_padded)
+    q_col, _ = common.segment_layouts(mask.q_segment_ids)
+    _, kv_row = common.segment_layouts(mask.kv_segment_ids)
     operands += [q_col, kv_row]
     in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
                  pl.BlockSpec((None, 1, bkv), kv_ids_map)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype),
-               jax.ShapeDtypeStruct((batch, heads, 1, plan.q_padded),
+               jax.ShapeDtypeStruct((batch, heads, 1, q.shape[2]),
                                     jnp.float32)]
   out_specs = [
       pl.BlockSpec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),

@@ -28,22 +28,20 @@ def _kernel_dtype(dtype):
 
 
 def _run_forward(q, k, v, mask, meta: Metadata, plan: Plan, out_dtype):
-  kdt = _kernel_dtype(q.dtype)
-  tq, tk, hp = plan.q_padded, plan.kv_padded, plan.head_dim
+  kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
   results = forward.forward(
-      common.to_kernel_layout(q.astype(kdt), tq, hp),
-      common.to_kernel_layout(k.astype(kdt), tk, hp),
-      common.to_kernel_layout(v.astype(kdt), tk, hp), mask, meta, plan,
+      common.to_kernel_layout(q.astype(kdt), hp),
+      common.to_kernel_layout(k.astype(kdt), hp),
+      common.to_kernel_layout(v.astype(kdt), hp), mask, meta, plan,
       out_dtype)
-  out = common.from_kernel_layout(results[0], q.shape[1], q.shape[3])
-  lse = common.rows_from_kernel(results[1], q.shape[1])
+  out = common.from_kernel_layout(results[0], q.shape[3])
+  lse = common.rows_from_kernel(results[1])
   return out, lse, results[2:]
 
 
 def _run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
                   d_out, d_lse):
-  kdt = _kernel_dtype(q.dtype)
-  tq, tk, hp = plan.q_padded, plan.kv_padded, plan.head_dim
+  kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
   # delta_i = sum_h dO_ih O_ih - dlse_i: the row term of the softmax
   # derivative, including the logsumexp's own cotangent.
   delta = jnp.einsum("btnh,btnh->btn", d_out.astype(jnp.float32),
@@ -51,18 +49,18 @@ def _run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
                      precision=jax.lax.Precision.HIGHEST)
   delta = delta - d_lse.astype(jnp.float32)
   lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-  args = (common.to_kernel_layout(q.astype(kdt), tq, hp),
-          common.to_kernel_layout(k.astype(kdt), tk, hp),
-          common.to_kernel_layout(v.astype(kdt), tk, hp),
-          common.to_kernel_layout(d_out.astype(kdt), tq, hp),
-          common.rows_to_kernel(lse, tq), common.rows_to_kernel(delta, tq),
+  args = (common.to_kernel_layout(q.astype(kdt), hp),
+          common.to_kernel_layout(k.astype(kdt), hp),
+          common.to_kernel_layout(v.astype(kdt), hp),
+          common.to_kernel_layout(d_out.astype(kdt), hp),
+          common.rows_to_kernel(lse), common.rows_to_kernel(delta),
           mask, meta, plan)
   dq_results = backward.dq(*args, out_dtype=kdt)
   dkv_results = backward.dkv(*args, out_dtype=kdt)
-  t, s, h = q.shape[1], k.shape[1], q.shape[3]
-  dq = common.from_kernel_layout(dq_results[0], t, h).astype(q.dtype)
-  dk = common.from_kernel_layout(dkv_results[0], s, h).astype(k.dtype)
-  dv = common.from_kernel_layout(dkv_results[1], s, h).astype(v.dtype)
+  h = q.shape[3]
+  dq = common.from_kernel_layout(dq_results[0], h).astype(q.dtype)
+  dk = common.from_kernel_layout(dkv_results[0], h).astype(k.dtype)
+  dv = common.from_kernel_layout(dkv_results[1], h).astype(v.dtype)
   return dq, dk, dv, dq_results[1:], dkv_results[2:]
 
 
