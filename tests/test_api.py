@@ -90,7 +90,7 @@ def test_error_message_shows_received_shapes():
 # -------------------------------------------------------------- dispatch
 def test_default_order_per_platform():
   assert jflash.default_order("cpu") == ("xla",)
-  assert jflash.default_order("gpu") == ("mosaic_gpu", "cudnn", "xla")
+  assert jflash.default_order("gpu") == ("cudnn", "mosaic_gpu", "xla")
   assert jflash.default_order("tpu") == ("mosaic_tpu", "xla")
 
 
