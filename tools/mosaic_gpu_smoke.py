@@ -87,9 +87,9 @@ def _time(fn, args, calls=10, repeats=5):
 
 
 def _timing(rng):
-  for h, s, causal in ((128, 4096, False), (128, 4096, True),
-                       (128, 16384, False), (128, 16384, True),
-                       (64, 4096, False), (256, 4096, False)):
+  for h, s, causal in ((128, 16384, False), (128, 16384, True),
+                       (64, 4096, False), (128, 4096, False),
+                       (128, 4096, True), (256, 4096, False)):
     n, b = 2048 // h, 16384 // s
     q, k, v, cot = (jnp.asarray(rng.standard_normal((b, s, n, h)),
                                 jnp.bfloat16) for _ in range(4))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -116,8 +117,9 @@ class _Padded:
 
 def _padding(mask: masks.AttentionMask, plan: _Plan) -> _Padded:
   c = plan.config
-  q_multiple = max(2 * c.block_q, 2 * c.block_q_dq, c.block_q_dkv)
-  kv_multiple = max(c.block_kv, c.block_kv_dq, 2 * c.block_kv_dkv)
+  # Every pass tiles the same padded extent.
+  q_multiple = math.lcm(2 * c.block_q, 2 * c.block_q_dq, c.block_q_dkv)
+  kv_multiple = math.lcm(c.block_kv, c.block_kv_dq, 2 * c.block_kv_dkv)
   return _Padded(_round_up(mask.q_len, q_multiple),
                  _round_up(mask.kv_len, kv_multiple),
                  padded_head_dim(plan.head_dim))
@@ -136,10 +138,29 @@ def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
 
 def _classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
              pads: _Padded) -> Array:
-  """int32 tile classes covering the padded extent (extra tiles EMPTY)."""
+  """int32 tile classes covering the padded extent (extra tiles EMPTY),
+  ``[B, Tp / block_q, Sp / block_kv]``."""
   classes = masks.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
   classes = _pad_axis(classes, 1, pads.q_pad // block_q)
   return _pad_axis(classes, 2, pads.kv_pad // block_kv)
+
+
+def _classes_per_step(classes: Array, order: Array) -> Array:
+  """The class each of a CTA's two consumers meets at each step.
+
+  Args:
+    classes: ``[B, 2 * n, m]``: tile classes at one consumer's block along
+      the CTA's axis (rows ``2 i`` and ``2 i + 1`` belong to CTA ``i``).
+    order: ``[B, n, m]``: the CTA's visiting order along the other axis.
+
+  Returns:
+    ``[B, n, m, 2]``: ``classes[b, 2 i + w, order[b, i, s]]`` at ``[b, i, s,
+    w]``.
+  """
+  batch, rows, cols = classes.shape
+  pairs = classes.reshape(batch, rows // 2, 2, cols)
+  picked = jnp.take_along_axis(pairs, order[:, :, None, :], axis=3)
+  return jnp.swapaxes(picked, 2, 3)
 
 
 def _kv_schedule(mask, block_q, block_kv, pads):
@@ -174,7 +195,8 @@ def _forward(q, k, v, mask, plan: _Plan):
   order, count = _kv_schedule(mask, 2 * c.block_q, c.block_kv, pads)
   out, lse = forward.forward_kernel_call(
       qp, kp, vp, kv_order=order, kv_count=count,
-      classes=_classes(mask, c.block_q, c.block_kv, pads),
+      classes=_classes_per_step(
+          _classes(mask, c.block_q, c.block_kv, pads), order),
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
   return out[:, :mask.q_len, :, :plan.head_dim], lse
@@ -200,12 +222,15 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   order, count = _kv_schedule(mask, 2 * c.block_q_dq, c.block_kv_dq, pads)
   dq = backward.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
-      classes=_classes(mask, c.block_q_dq, c.block_kv_dq, pads),
+      classes=_classes_per_step(
+          _classes(mask, c.block_q_dq, c.block_kv_dq, pads), order),
       block_q=c.block_q_dq, block_kv=c.block_kv_dq, stages=c.stages_bwd,
       **common_args)
   order, count = _q_schedule(mask, c.block_q_dkv, 2 * c.block_kv_dkv, pads)
   dkv_args = dict(q_order=order, q_count=count,
-                  classes=_classes(mask, c.block_q_dkv, c.block_kv_dkv, pads),
+                  classes=_classes_per_step(jnp.swapaxes(
+                      _classes(mask, c.block_q_dkv, c.block_kv_dkv, pads), 1,
+                      2), order),
                   block_q=c.block_q_dkv, block_kv=c.block_kv_dkv,
                   stages=c.stages_bwd, **common_args)
   if pads.head_pad <= 128:

@@ -54,6 +54,10 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   Args:
     stats: float32 ``[B, N, 2, Tp]``: the base-2 logsumexp (``+inf`` for
       rows that see nothing) and ``delta``.
+    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
+      block.
+    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
+      the tile visited at each step for each consumer's ``block_q`` rows.
 
   Returns:
     ``dq [B, Tp, N, Hp]`` in the input dtype.
@@ -111,7 +115,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
         def step(i, dq):
           slot = lax.rem(i, stages)
-          kv_tile = tile_at(i)
+          full = class_ref[b, q_block, i, wg] == masks.FULL
           plgpu.barrier_wait(k_ready.at[slot])
           kv_seg = None
           if kv_seg_ref is not None:
@@ -123,9 +127,9 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
           s = logits(pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32)))
-          full = class_ref[b, my_block, kv_tile] == masks.FULL
 
           def masked(s):
+            kv_tile = tile_at(i)
             q_ids = plgpu.broadcasted_iota(
                 jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + q_base
             kv_ids = plgpu.broadcasted_iota(
@@ -234,7 +238,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     q_order, q_count: the tile schedule at ``2 * block_kv`` keys per key
       block, ``[B, Sp / (2 block_kv), Tp / block_q]`` and ``[B, Sp / (2
       block_kv)]``.
-    classes: int32 tile classes ``[B, Tp / block_q, Sp / block_kv]``.
+    classes: int32 ``[B, Sp / (2 block_kv), Tp / block_q, 2]``: the class of
+      the tile visited at each step of ``q_order`` for each consumer's
+      ``block_kv`` keys.
     want_dk, want_dv: which outputs to compute (both by default).
 
   Returns:
@@ -296,7 +302,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         def step(i, carry):
           dk, dv = carry
           slot = lax.rem(i, stages)
-          _, q_tile = head_and_tile(i)
+          full = class_ref[b, kv_block, lax.rem(i, count), wg] == masks.FULL
           plgpu.barrier_wait(q_ready.at[slot])
           plgpu.barrier_wait(stats_ready.at[slot])
           q_seg = None
@@ -313,9 +319,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
           s = logits(pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32)))
-          full = class_ref[b, q_tile, my_block] == masks.FULL
 
           def masked(s):
+            _, q_tile = head_and_tile(i)
             kv_ids = plgpu.broadcasted_iota(
                 jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + kv_base
             q_ids = plgpu.broadcasted_iota(

@@ -53,8 +53,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
       block, ``[B, Tp / (2 block_q), Sp / block_kv]`` and ``[B, Tp / (2
       block_q)]``.
-    classes: int32 tile classes at ``block_q`` rows, ``[B, Tp / block_q,
-      Sp / block_kv]``.
+    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
+      the tile visited at each step of ``kv_order`` for each consumer's
+      ``block_q`` rows (read once per step, with no dependent lookup).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
 
@@ -124,7 +125,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         def step(i, carry):
           acc, m, l = carry
           slot = lax.rem(i, stages)
-          kv_tile = tile_at(i)
+          full = class_ref[b, q_block, i, wg] == masks.FULL
           plgpu.barrier_wait(k_ready.at[slot])
           kv_seg = None
           if kv_seg_ref is not None:
@@ -139,9 +140,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
           s = logits(qk)
-          full = class_ref[b, my_block, kv_tile] == masks.FULL
-          s = lax.cond(full, lambda s: s, lambda s: masked(s, kv_tile, kv_seg),
-                       s)
+          s = lax.cond(full, lambda s: s,
+                       lambda s: masked(s, tile_at(i), kv_seg), s)
           m_new = jnp.maximum(m, s.max(axis=1))
           rescale = jnp.exp2(m - m_new)
           p = jnp.exp2(s - broadcast_rows(m_new, tile))
