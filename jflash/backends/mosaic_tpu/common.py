@@ -7,9 +7,9 @@ Kernel layout: ``[B, N, T, Hp]`` for query-side arrays and
 zeros.  Sequences are not padded: a tile that hangs over a sequence end is
 always PARTIAL (never FULL), and PARTIAL tiles mask what lies past the end.
 Per-row statistics (logsumexp, delta) live as lane-dense rows
-``[B, N, 1, T]``.  Segment ids come in both
-orientations, ``[B, L, 1]`` columns and ``[B, 1, L]`` rows, so that every
-kernel broadcasts them along the axis it needs without a transpose.
+``[B, N, 1, T]``.  Segment ids come in both orientations, ``[B, L, 1]``
+columns and ``[B, 1, L]`` rows, so that every kernel broadcasts them along
+the axis it needs without a transpose.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class Plan:
       (dK/dV).
     head_dim: ``H`` padded to 128 lanes.
     per_batch: the schedule has one entry per batch row (lengths or segment
-      ids are present); otherwise one entry serves every row.
+      ids are present and the per-row schedule fits SMEM); otherwise one
+      entry serves every row.
     has_q_lengths, has_kv_lengths, has_segments: which per-row data the
       kernels receive.
     interpret: ``pallas_call``'s ``interpret`` argument.
@@ -84,9 +85,11 @@ class Plan:
 
   @property
   def num_lengths(self) -> int:
+    """How many length arrays follow the visit lists in scalar prefetch."""
     return int(self.has_q_lengths) + int(self.has_kv_lengths)
 
   def compiler_params(self, semantics: tuple[str, ...]):
+    """Mosaic parameters of a kernel with grid axes ``semantics``."""
     return pltpu.CompilerParams(dimension_semantics=semantics,
                                 vmem_limit_bytes=self.vmem_limit_bytes)
 
