@@ -182,6 +182,26 @@ def test_declines_what_it_cannot_compute():
     jflash.dot_product_attention(*wide, implementation=SMALL, interpret=True)
 
 
+def test_schedule_shared_by_rows_when_smem_is_short(monkeypatch):
+  """Per-row schedules that would not fit SMEM give way to one shared by
+  all rows (still exact); one that does not fit even then is declined."""
+  from jflash.backends import mosaic_tpu
+  rng = fresh_rng()
+  call, case = _call(rng, b=2, t=64, s=64, is_causal=True,
+                     key_value_seq_lengths=jnp.asarray([64, 20], jnp.int32))
+  plan = SMALL.plan(call)
+  assert plan.per_batch
+  # Per row: 2 rows * 4 query blocks * (2 steps + 1) * 4 bytes = 96 bytes.
+  monkeypatch.setattr(mosaic_tpu, "METADATA_BUDGET_BYTES", 64)
+  assert not SMALL.plan(call).per_batch
+  out = case.call_jflash(*case.arrays, implementation=SMALL, interpret=True)
+  want = case.call_jflash(*case.arrays, implementation="xla")
+  assert rel_err(out, want) < 1e-5
+  monkeypatch.setattr(mosaic_tpu, "METADATA_BUDGET_BYTES", 16)
+  with pytest.raises(NotImplementedError, match="SMEM"):
+    SMALL.plan(call)
+
+
 # ---------------------------------------------------------------- config
 def test_config_validation():
   with pytest.raises(ValueError, match=r"block_q.*multiple of 8.*got 12"):
