@@ -88,7 +88,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
       @pl.when(wg < 2)
       def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
         my_block = q_block * 2 + wg
         q_base = my_block * block_q
         rows = pl.ds(q_base, block_q)
@@ -167,12 +168,13 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
       @pl.when(wg == 2)
       def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
+                                action="decrease")
         kv_head = lax.div(head, group)
-        _stream_kv(count, tile_at, stages, block_kv,
-                   [(k_ref, k_smem, k_ready, k_free, kv_head),
-                    (v_ref, v_smem, v_ready, v_free, kv_head)],
-                   b, kv_seg_ref, kvseg_smem, kvseg_ready)
+        common.stream_tiles(count, tile_at, stages, block_kv,
+                            [(k_ref, k_smem, k_ready, k_free, kv_head),
+                             (v_ref, v_smem, v_ready, v_free, kv_head)],
+                            b, kv_seg_ref, kvseg_smem, kvseg_ready)
 
     segments = spec.has_segments
     pl.run_scoped(
@@ -202,27 +204,6 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, do, stats, kv_order, kv_count, classes, *extras)
-
-
-def _stream_kv(count, tile_at, stages, block, streams, b, seg_ref, seg_smem,
-               seg_ready):
-  """Producer loop: for step ``i`` copy tile ``tile_at(i)`` of every stream
-  ``(gmem_ref, smem_ring, ready, free, head)`` into slot ``i % stages``,
-  after the consumers released that slot."""
-
-  @pl.loop(0, count)
-  def _load(i):
-    slot = lax.rem(i, stages)
-    rows = pl.ds(tile_at(i) * block, block)
-    for n, (ref, smem, ready, free, head) in enumerate(streams):
-      @pl.when(i >= stages)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-      plgpu.copy_gmem_to_smem(ref.at[b, rows, head], smem.at[slot],
-                              ready.at[slot])
-      if n == 0 and seg_ref is not None:
-        plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], seg_smem.at[slot],
-                                seg_ready.at[slot])
 
 
 def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
@@ -280,7 +261,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
       @pl.when(wg < 2)
       def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
         my_block = kv_block * 2 + wg
         kv_base = my_block * block_kv
         rows = pl.ds(kv_base, block_kv)
@@ -373,7 +355,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
       @pl.when(wg == 2)
       def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
+                                action="decrease")
 
         @pl.loop(0, steps)
         def _load(i):

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import jax
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
@@ -72,15 +73,14 @@ class MaskSpec:
                       q_seg: Array | None, kv_seg: Array | None) -> Array:
     """Visibility of one tile from position arrays already in the kernel's
     register layout (``q_ids``/``kv_ids`` of the tile's full 2-D shape,
-    ``q_seg``/``kv_seg`` broadcast likewise); the rule is
-    :func:`jflash.masks.row_bounds` plus segment equality."""
-    lo, hi = masks.row_bounds(q_ids, q_len=self.q_len, kv_len=self.kv_len,
-                              is_causal=self.is_causal, window=self.window,
-                              q_length=q_length, kv_length=kv_length)
-    visible = (kv_ids >= lo) & (kv_ids < hi)
-    if q_seg is not None:
-      visible = visible & (q_seg == kv_seg)
-    return visible
+    ``q_seg``/``kv_seg`` broadcast likewise), by
+    :func:`jflash.masks.visibility_at`."""
+    rules = masks.AttentionMask(batch=1, q_len=self.q_len,
+                                kv_len=self.kv_len, is_causal=self.is_causal,
+                                window=self.window)
+    return masks.visibility_at(rules, q_ids, kv_ids, q_length=q_length,
+                               kv_length=kv_length, q_segment_ids=q_seg,
+                               kv_segment_ids=kv_seg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +127,26 @@ def schedule_row(order_ref, count_ref, batch_index, block_index):
   def tile_at(step):
     return order_ref[batch_index, block_index, step]
   return count, tile_at
+
+
+def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
+                 seg_ref, seg_smem, seg_ready) -> None:
+  """Producer loop: for step ``i`` copy tile ``tile_at(i)`` of every stream
+  ``(gmem_ref [B, L, heads, H], smem_ring, ready, free, head)`` into slot
+  ``i % stages`` with TMA, after the consumers released that slot; segment
+  ids of the tile (``seg_ref [B, L]``, or None) travel with the first
+  stream."""
+
+  @pl.loop(0, count)
+  def _load(i):
+    slot = lax.rem(i, stages)
+    rows = pl.ds(tile_at(i) * block, block)
+    for n, (ref, smem, ready, free, head) in enumerate(streams):
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      plgpu.copy_gmem_to_smem(ref.at[b, rows, head], smem.at[slot],
+                              ready.at[slot])
+      if n == 0 and seg_ref is not None:
+        plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], seg_smem.at[slot],
+                                seg_ready.at[slot])

@@ -191,28 +191,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
       @pl.when(wg == 2)
       def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
+                                action="decrease")
         kv_head = lax.div(head, group)
-
-        @pl.loop(0, count)
-        def _load(i):
-          slot = lax.rem(i, stages)
-          rows = pl.ds(tile_at(i) * block_kv, block_kv)
-
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(k_free.at[slot])
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem.at[slot],
-                                  k_ready.at[slot])
-          if kv_seg_ref is not None:
-            plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kvseg_smem.at[slot],
-                                    kvseg_ready.at[slot])
-
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(v_free.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem.at[slot],
-                                  v_ready.at[slot])
+        common.stream_tiles(count, tile_at, stages, block_kv,
+                            [(k_ref, k_smem, k_ready, k_free, kv_head),
+                             (v_ref, v_smem, v_ready, v_free, kv_head)],
+                            b, kv_seg_ref, kvseg_smem, kvseg_ready)
 
     segments = spec.has_segments
     pl.run_scoped(
