@@ -3,10 +3,13 @@
 Run on a CUDA machine with ``pytest -m gpu``.
 """
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tests import conformance
+from tests._support import random_normal
 
 pytestmark = pytest.mark.gpu
 
@@ -47,6 +50,35 @@ class TestMosaicGpu(conformance.AttentionConformance):
   supports_dense_mask = False
   # Not a multiple of any block size, and several tiles of 64 and 128.
   feature_len = 301
+
+
+def test_mosaic_gpu_writes_every_output_element():
+  """Poisoned memory: the allocator's free blocks are filled with NaN right
+  before the call, so any output or gradient element a kernel fails to
+  write (including the exact zeros of rows that see no key) shows up."""
+  rng, seed = conformance.new_rng()
+  case = conformance.build_case(rng, "lengths", dtype=jnp.bfloat16,
+                                q_len=333, kv_len=333, head_dim=128)
+  case.kwargs["query_seq_lengths"] = jnp.asarray([0, 200], jnp.int32)
+  case.kwargs["is_causal"] = True
+  cot = random_normal(rng, case.query.shape, jnp.bfloat16)
+  run = jax.jit(lambda *a: grads_of_with_out(case, cot, *a))
+  run(*case.arrays)  # compile first: the poison must be the last allocation
+  poison = jnp.full((64 * 2**20,), jnp.nan, jnp.float32).block_until_ready()
+  del poison
+  out, grads = run(*case.arrays)
+  for x in (out, *grads):
+    assert np.isfinite(np.asarray(x, np.float32)).all(), f"seed={seed}"
+  dead = np.asarray(case.kwargs["query_seq_lengths"])[:, None] <= np.arange(
+      case.query.shape[1])[None, :]
+  assert np.all(np.asarray(out, np.float32)[dead] == 0), f"seed={seed}"
+
+
+def grads_of_with_out(case, cot, q, k, v, bias):
+  def f(q, k, v):
+    return case.call_jflash(q, k, v, bias, implementation="mosaic_gpu")
+  out, vjp = jax.vjp(f, q, k, v)
+  return out, vjp(cot)
 
 
 class TestXlaGpu(conformance.AttentionConformance):
