@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on a Hopper machine for the mosaic_gpu kernels: their GPU tests
+# (conformance, poisoned outputs), then a timing against jax.nn's cuDNN in
+# the same run.  About four minutes on an H200.  Logs go to ${OUT:-out}/.
+# Usage (from the repository root): bash tools/mosaic_gpu_check.sh
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_FLAGS="--xla_backend_optimization_level=3"
+PY="${PYTHON:-python3}"
+
+echo "== mosaic_gpu tests"
+timeout 240 "$PY" -m pytest -m gpu tests/test_gpu.py -k "Mosaic or mosaic" \
+  -q -n "${WORKERS:-8}" -p no:cacheprovider -rfE 2>&1 \
+  | tee "$OUT/mosaic_gpu_tests.log" | tail -15
+
+echo "== timing (same run as cuDNN)"
+timeout 150 "$PY" tools/mosaic_gpu_smoke.py --no-checks 2>&1 \
+  | grep -E "^h=|Error" | tee "$OUT/mosaic_gpu_timing.log"
