@@ -3,6 +3,11 @@
 Run on a CUDA machine with ``pytest -m gpu``.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +77,23 @@ def test_mosaic_gpu_writes_every_output_element():
   dead = np.asarray(case.kwargs["query_seq_lengths"])[:, None] <= np.arange(
       case.query.shape[1])[None, :]
   assert np.all(np.asarray(out, np.float32)[dead] == 0), f"seed={seed}"
+
+
+def test_mosaic_gpu_memory_at_128k():
+  """Forward+backward at B=1, T=S=131072, N=16, H=128 bfloat16 peaks at no
+  more than 1.3x the bytes of inputs, output and gradients (measured in a
+  fresh process, so earlier tests do not count)."""
+  command = [sys.executable, "-m", "benchmarks.memory_128k"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             PYTHONPATH=os.pathsep.join(
+                 filter(None, [root, os.environ.get("PYTHONPATH")])))
+  done = subprocess.run(command, capture_output=True, text=True, env=env,
+                        cwd=root, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result["finite"], result
+  assert result["ratio"] <= 1.3, result
 
 
 def grads_of_with_out(case, cot, q, k, v, bias):
