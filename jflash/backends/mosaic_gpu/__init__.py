@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jflash import masks
 from jflash.backends.base import AttentionCall
+from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_gpu import backward, forward
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
@@ -88,6 +89,10 @@ class MosaicGpuBackend:
     if call.mask.dense is not None:
       _decline("a dense boolean mask is not supported (use segment_ids, "
                "lengths or windows; the xla backend serves dense masks)")
+    return per_shard(call, self._run, self.name)
+
+  def _run(self, call: AttentionCall) -> tuple[Array, Array]:
+    head_dim = call.query.shape[-1]
     plan = _Plan(spec=MaskSpec.of(call.mask),
                  logits=LogitTransform(float(call.scale),
                                        call.logits_soft_cap),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jflash import masks
 from jflash.backends.base import AttentionCall
+from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_tpu import ops
 from jflash.backends.mosaic_tpu.common import Plan
 from jflash.backends.mosaic_tpu.config import (FALLBACK, GENERATIONS, LANES,
@@ -61,7 +62,12 @@ class MosaicTpuBackend:
   name: str = "mosaic_tpu"
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
-    """``(out [B, T, N, H], logsumexp [B, T, N] float32)``."""
+    """``(out [B, T, N, H], logsumexp [B, T, N] float32)``; inputs
+    explicitly sharded over batch or heads run per shard."""
+    self._check_supported(call)
+    return per_shard(call, self._run, self.name)
+
+  def _run(self, call: AttentionCall) -> tuple[Array, Array]:
     plan = self.plan(call)
     return ops.attention(call.query, call.key, call.value, call.mask, plan)
 
