@@ -147,3 +147,30 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features):
   text = lowered.as_text()
   # Forward, dQ and dK/dV (twice at head dim 256).
   assert text.count("mosaic_gpu") >= (4 if head_dim == 256 else 3)
+
+
+@pytest.mark.parametrize("rules", [dict(is_causal=True),
+                                   dict(window=(100, 30)),
+                                   dict(is_causal=True, window=(257, 0)),
+                                   dict()])
+@pytest.mark.parametrize("make", ["_rows_metadata", "_keys_metadata"])
+def test_shape_only_schedules_become_constants(rules, make):
+  """Without lengths or segment ids the schedule depends on shapes alone;
+  it is then built while tracing (constants in the graph) and must equal
+  the one built per call."""
+  make = getattr(mosaic_gpu, make)
+  mask = masks.AttentionMask(batch=3, q_len=777, kv_len=1000, **rules)
+  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+                          logits=LogitTransform(0.1, None),
+                          config=MosaicGpuConfig().resolved(128), head_dim=128)
+  pads = mosaic_gpu._padding(mask, plan)
+  c = plan.config
+  traced = jax.jit(lambda: make(mask, c.block_q, c.block_kv, pads))()
+  static_jaxpr = jax.make_jaxpr(lambda: mosaic_gpu._metadata(
+      make, mask, c.block_q, c.block_kv, pads))()
+  # Nothing is computed at run time: the outputs are literals/constants.
+  assert not static_jaxpr.eqns
+  static = jax.jit(lambda: mosaic_gpu._metadata(
+      make, mask, c.block_q, c.block_kv, pads))()
+  for got, want in zip(static, traced):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jflash import masks
 from jflash.backends.base import AttentionCall
@@ -184,6 +185,46 @@ def _q_schedule(mask, block_q, block_kv, pads):
   return order, _pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
 
 
+def _rows_metadata(mask, block_q, block_kv, pads):
+  """Forward/dQ: per CTA of ``2 * block_q`` query rows, the key tiles to
+  visit, their count, and each consumer's class at each step."""
+  order, count = _kv_schedule(mask, 2 * block_q, block_kv, pads)
+  classes = _classes(mask, block_q, block_kv, pads)
+  return order, count, _classes_per_step(classes, order)
+
+
+def _keys_metadata(mask, block_q, block_kv, pads):
+  """dK/dV: per CTA of ``2 * block_kv`` keys, the query tiles to visit,
+  their count, and each consumer's class at each step."""
+  order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
+  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
+  return order, count, _classes_per_step(classes, order)
+
+
+_STATIC_METADATA_ELEMENTS = 1 << 18
+"""Largest schedule array computed at trace time and embedded as a constant."""
+
+
+def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
+              pads: _Padded) -> tuple[Array, Array, Array]:
+  """``make(mask, block_q, block_kv, pads)``, evaluated while tracing when
+  the schedule depends on shapes only (no lengths, segment ids or dense
+  mask) and is small: the kernels then get constants, and no XLA work runs
+  per call to build them."""
+  if (mask.q_lengths is None and mask.kv_lengths is None
+      and mask.q_segment_ids is None and mask.dense is None):
+    try:
+      device = jax.devices("cpu")[0]
+    except RuntimeError:
+      device = None
+    with jax.ensure_compile_time_eval(), jax.default_device(device):
+      arrays = make(mask, block_q, block_kv, pads)
+    arrays = tuple(np.asarray(a) for a in arrays)
+    if max(a.size for a in arrays) <= _STATIC_METADATA_ELEMENTS:
+      return tuple(jnp.asarray(a) for a in arrays)
+  return make(mask, block_q, block_kv, pads)
+
+
 def _pad_inputs(q, k, v, pads: _Padded):
   q = _pad_axis(_pad_axis(q, 1, pads.q_pad), 3, pads.head_pad)
   k = _pad_axis(_pad_axis(k, 1, pads.kv_pad), 3, pads.head_pad)
@@ -197,11 +238,10 @@ def _forward(q, k, v, mask, plan: _Plan):
   c = plan.config
   pads = _padding(mask, plan)
   qp, kp, vp = _pad_inputs(q, k, v, pads)
-  order, count = _kv_schedule(mask, 2 * c.block_q, c.block_kv, pads)
+  order, count, classes = _metadata(_rows_metadata, mask, c.block_q,
+                                    c.block_kv, pads)
   out, lse = forward.forward_kernel_call(
-      qp, kp, vp, kv_order=order, kv_count=count,
-      classes=_classes_per_step(
-          _classes(mask, c.block_q, c.block_kv, pads), order),
+      qp, kp, vp, kv_order=order, kv_count=count, classes=classes,
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
   return out[:, :mask.q_len, :, :plan.head_dim], lse
@@ -224,18 +264,15 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   stats = jnp.stack([lse2, delta], axis=2)  # [B, N, 2, Tp]
   extras = _mask_inputs(mask, pads)
   common_args = dict(spec=plan.spec, logits=plan.logits, **extras)
-  order, count = _kv_schedule(mask, 2 * c.block_q_dq, c.block_kv_dq, pads)
+  order, count, classes = _metadata(_rows_metadata, mask, c.block_q_dq,
+                                    c.block_kv_dq, pads)
   dq = backward.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
-      classes=_classes_per_step(
-          _classes(mask, c.block_q_dq, c.block_kv_dq, pads), order),
-      block_q=c.block_q_dq, block_kv=c.block_kv_dq, stages=c.stages_bwd,
+      classes=classes, block_q=c.block_q_dq, block_kv=c.block_kv_dq, stages=c.stages_bwd,
       **common_args)
-  order, count = _q_schedule(mask, c.block_q_dkv, 2 * c.block_kv_dkv, pads)
-  dkv_args = dict(q_order=order, q_count=count,
-                  classes=_classes_per_step(jnp.swapaxes(
-                      _classes(mask, c.block_q_dkv, c.block_kv_dkv, pads), 1,
-                      2), order),
+  order, count, classes = _metadata(_keys_metadata, mask, c.block_q_dkv,
+                                    c.block_kv_dkv, pads)
+  dkv_args = dict(q_order=order, q_count=count, classes=classes,
                   block_q=c.block_q_dkv, block_kv=c.block_kv_dkv,
                   stages=c.stages_bwd, **common_args)
   if pads.head_pad <= 128:
