@@ -13,6 +13,7 @@ from benchmarks.cells import (FULL, TINY, Cell, count_visible_bruteforce,
                               make_segment_ids, visible_pairs)
 from benchmarks.timing import TimerConfig
 from jflash.masks import AttentionMask
+from tests._support import fresh_rng
 
 FAST = TimerConfig(calls=2, repeats=2, warmup=1, max_seconds=1.0)
 
@@ -36,7 +37,7 @@ def _materialized_count(cell, seg):
     (Cell(2, 70, 2, 8, causal=True, window=7, segments=3), True),
 ])
 def test_visible_pairs_match_the_mask(cell, segments):
-  seg = (make_segment_ids(np.random.default_rng(1), cell.batch, cell.seq_len,
+  seg = (make_segment_ids(fresh_rng(), cell.batch, cell.seq_len,
                           cell.segments) if segments else None)
   expected = _materialized_count(cell, seg)
   assert visible_pairs(cell, seg) == expected
@@ -44,7 +45,7 @@ def test_visible_pairs_match_the_mask(cell, segments):
 
 
 def test_segment_ids_are_packed_and_sum_to_length():
-  seg = make_segment_ids(np.random.default_rng(0), 3, 100, 8)
+  seg = make_segment_ids(fresh_rng(), 3, 100, 8)
   for row in seg:
     lengths = np.bincount(row)
     assert len(lengths) == 8 and lengths.min() >= 1 and lengths.sum() == 100

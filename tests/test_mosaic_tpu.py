@@ -115,7 +115,7 @@ def test_empty_tiles_are_never_copied():
 def test_step_bounds_cover_every_schedule():
   """masks.max_visited_blocks never cuts a visit list short (checked
   against a brute-force NumPy mask)."""
-  rng = np.random.default_rng(0)
+  rng = fresh_rng()
   for _ in range(300):
     t, s = (int(x) for x in rng.integers(1, 300, 2))
     bq, bk = (int(x) for x in rng.choice([8, 16, 32, 64], 2))
@@ -347,3 +347,16 @@ def test_lowers_for_each_tpu_generation_from_the_cpu(device_kind, cores,
     exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
                              platforms=["tpu"])(q, k, v)
   assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_shape_only_metadata_is_a_trace_time_constant():
+  """Causal + window visits depend on shapes alone: built while tracing
+  (no operations in the graph) and equal to the per-call ones."""
+  call, _ = _call(fresh_rng(), is_causal=True, local_window_size=(21, 3))
+  plan = SMALL.plan(call)
+  jaxpr = jax.make_jaxpr(lambda: common.metadata(call.mask, plan))()
+  assert not jaxpr.eqns
+  static = common.metadata(call.mask, plan)
+  traced = jax.jit(lambda: common._metadata(call.mask, plan))()
+  for got, want in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -10,7 +10,7 @@ import types
 
 import jax
 
-from jflash.backends.base import AttentionCall, Backend, Unavailable
+from jflash.backends.base import AttentionCall, Backend
 from jflash.backends.cudnn import CudnnBackend
 from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig

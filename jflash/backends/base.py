@@ -75,14 +75,3 @@ class Backend(Protocol):
     """Returns ``(out [B, T, N, H], logsumexp [B, T, N] float32)`` or raises
     ``NotImplementedError``."""
     ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Unavailable:
-  """A backend whose kernels do not exist yet: always declines."""
-
-  name: str
-  reason: str
-
-  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
-    raise NotImplementedError(f"{self.name}: {self.reason}")

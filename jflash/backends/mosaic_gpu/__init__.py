@@ -20,9 +20,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jflash import masks
+from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_gpu import backward, forward
@@ -201,28 +201,12 @@ def _keys_metadata(mask, block_q, block_kv, pads):
   return order, count, _classes_per_step(classes, order)
 
 
-_STATIC_METADATA_ELEMENTS = 1 << 18
-"""Largest schedule array computed at trace time and embedded as a constant."""
-
-
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
               pads: _Padded) -> tuple[Array, Array, Array]:
-  """``make(mask, block_q, block_kv, pads)``, evaluated while tracing when
-  the schedule depends on shapes only (no lengths, segment ids or dense
-  mask) and is small: the kernels then get constants, and no XLA work runs
-  per call to build them."""
-  if (mask.q_lengths is None and mask.kv_lengths is None
-      and mask.q_segment_ids is None and mask.dense is None):
-    try:
-      device = jax.devices("cpu")[0]
-    except RuntimeError:
-      device = None
-    with jax.ensure_compile_time_eval(), jax.default_device(device):
-      arrays = make(mask, block_q, block_kv, pads)
-    arrays = tuple(np.asarray(a) for a in arrays)
-    if max(a.size for a in arrays) <= _STATIC_METADATA_ELEMENTS:
-      return tuple(jnp.asarray(a) for a in arrays)
-  return make(mask, block_q, block_kv, pads)
+  """``make(mask, block_q, block_kv, pads)``; constants built while tracing
+  when the schedule depends on shapes only."""
+  return trace_time.constant_if_static(
+      lambda: make(mask, block_q, block_kv, pads), mask)
 
 
 def _pad_inputs(q, k, v, pads: _Padded):

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jflash import masks
+from jflash.backends import trace_time
 
 Array = jax.Array
 
@@ -121,7 +122,12 @@ class Metadata:
 
 def metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
   """Tile visits from :func:`jflash.masks.tile_schedule`, cut to the static
-  step counts of ``plan`` (never fewer than the nonempty tiles)."""
+  step counts of ``plan`` (never fewer than the nonempty tiles); constants
+  built while tracing when they depend on shapes only."""
+  return trace_time.constant_if_static(lambda: _metadata(mask, plan), mask)
+
+
+def _metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
   sched = masks.tile_schedule(mask, plan.block_q, plan.block_kv,
                               merge_batch=not plan.per_batch)
   classes = sched.classes.astype(jnp.int32)

@@ -1,0 +1,51 @@
+"""Tile metadata built while tracing when it depends on shapes alone.
+
+A schedule (:func:`jflash.masks.tile_schedule` and what kernels derive from
+it) depends on per-call data only through lengths, segment ids and a dense
+mask.  Without them it is a function of static shapes: computing it at trace
+time turns a few hundred small XLA operations per call into constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash import masks
+
+MAX_CONSTANT_ELEMENTS = 1 << 18
+"""Largest array embedded as a constant (1 MiB of int32); larger schedules
+are computed per call."""
+
+
+def depends_on_shapes_only(mask: masks.AttentionMask) -> bool:
+  """True when no per-call array takes part in visibility."""
+  return (mask.q_lengths is None and mask.kv_lengths is None
+          and mask.q_segment_ids is None and mask.dense is None)
+
+
+def constant_if_static(make: Callable[[], Any], mask: masks.AttentionMask):
+  """``make()`` (a pytree of arrays), evaluated on the host while tracing
+  and embedded as constants when ``mask`` depends on shapes only and every
+  array is small; otherwise traced as usual."""
+  if not depends_on_shapes_only(mask):
+    return make()
+  try:
+    device = jax.devices("cpu")[0]
+  except RuntimeError:  # no CPU backend in this process
+    device = None
+  try:
+    with jax.ensure_compile_time_eval(), jax.default_device(device):
+      values = jax.tree.map(np.asarray, make())
+  except ValueError:
+    # Eager evaluation is refused under an abstract-only mesh (exporting
+    # for another platform); the schedule is then traced as usual.
+    return make()
+  if max((v.size for v in jax.tree.leaves(values)), default=0) > \
+      MAX_CONSTANT_ELEMENTS:
+    return make()
+  return jax.tree.map(jnp.asarray, values)
