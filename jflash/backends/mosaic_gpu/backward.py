@@ -130,15 +130,10 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           s = logits(pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32)))
 
           def masked(s):
-            kv_tile = tile_at(i)
-            q_ids = plgpu.broadcasted_iota(
-                jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + q_base
-            kv_ids = plgpu.broadcasted_iota(
-                jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + (
-                    kv_tile * block_kv)
-            visible = spec.tile_visibility(q_ids, kv_ids, q_length, kv_length,
-                                           q_seg, kv_seg)
-            return jnp.where(visible, s, -jnp.inf)
+            return spec.mask_tile(s, row_start=q_base, col_tile=tile_at(i),
+                                  col_block=block_kv, rows_are_queries=True,
+                                  q_length=q_length, kv_length=kv_length,
+                                  q_seg=q_seg, kv_seg=kv_seg)
           p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
           plgpu.barrier_wait(v_ready.at[slot])
 
@@ -304,14 +299,10 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
           def masked(s):
             _, q_tile = head_and_tile(i)
-            kv_ids = plgpu.broadcasted_iota(
-                jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + kv_base
-            q_ids = plgpu.broadcasted_iota(
-                jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + (
-                    q_tile * block_q)
-            visible = spec.tile_visibility(q_ids, kv_ids, q_length, kv_length,
-                                           q_seg, kv_seg)
-            return jnp.where(visible, s, -jnp.inf)
+            return spec.mask_tile(s, row_start=kv_base, col_tile=q_tile,
+                                  col_block=block_q, rows_are_queries=False,
+                                  q_length=q_length, kv_length=kv_length,
+                                  q_seg=q_seg, kv_seg=kv_seg)
           p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
           plgpu.barrier_wait(do_ready.at[slot])
 

@@ -83,6 +83,26 @@ class MaskSpec:
                                kv_segment_ids=kv_seg)
 
 
+  def mask_tile(self, s: Array, *, row_start, col_tile, col_block: int,
+                rows_are_queries: bool, q_length, kv_length,
+                q_seg: Array | None, kv_seg: Array | None) -> Array:
+    """``s`` (a WGMMA-layout tile) with invisible entries set to ``-inf``.
+
+    Row ``r`` of the tile is position ``row_start + r`` and column ``c`` is
+    position ``col_tile * col_block + c``; rows are queries and columns keys
+    (``rows_are_queries``), or the transpose (the dK/dV pass)."""
+    shape = s.shape
+    rows = plgpu.broadcasted_iota(
+        jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row_start
+    cols = plgpu.broadcasted_iota(
+        jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
+            col_tile * col_block)
+    q_ids, kv_ids = (rows, cols) if rows_are_queries else (cols, rows)
+    visible = self.tile_visibility(q_ids, kv_ids, q_length, kv_length, q_seg,
+                                   kv_seg)
+    return jnp.where(visible, s, -jnp.inf)
+
+
 @dataclasses.dataclass(frozen=True)
 class LogitTransform:
   """Scaled (and optionally soft-capped) logits in base 2: the kernels

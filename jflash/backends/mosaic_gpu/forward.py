@@ -113,14 +113,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         plgpu.barrier_wait(q_ready.at[wg])
 
         def masked(s, kv_tile, kv_seg):
-          q_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0,
-                                         layout=plgpu.Layout.WGMMA) + q_base
-          kv_ids = plgpu.broadcasted_iota(
-              jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + (
-                  kv_tile * block_kv)
-          visible = spec.tile_visibility(q_ids, kv_ids, q_length, kv_length,
-                                         q_seg, kv_seg)
-          return jnp.where(visible, s, -jnp.inf)
+          return spec.mask_tile(s, row_start=q_base, col_tile=kv_tile,
+                                col_block=block_kv, rows_are_queries=True,
+                                q_length=q_length, kv_length=kv_length,
+                                q_seg=q_seg, kv_seg=kv_seg)
 
         def step(i, carry):
           acc, m, l = carry
