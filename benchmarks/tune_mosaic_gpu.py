@@ -178,6 +178,10 @@ def main() -> None:
           f"(default {default_config(head_dim)})", flush=True)
     tuner = Tuner(head_dim, args.seq, args.causal, timer)
     best, rows = tune(tuner, log)
+    if not any("tflops" in row for row in rows):
+      print(f"  no candidate ran for head dim {head_dim}; its default stays",
+            flush=True)
+      continue
     table[head_dim] = best
     results.append(dict(head_dim=head_dim, seq=args.seq, causal=args.causal,
                         best=dataclasses.asdict(best), rows=rows))

@@ -131,3 +131,18 @@ def test_ratio_to_cudnn():
   assert j["ratio_to_cudnn"] == {"out": 1.0, "dq": 2.0}
   assert j["max_ratio_to_cudnn"] == 2.0 and j["accuracy_ok"] is False
   assert row["impls"]["jax_nn_cudnn"]["accuracy_ok"] is True
+
+
+def test_tuner_candidates_include_the_defaults_and_fit():
+  from benchmarks import tune_mosaic_gpu
+  from jflash.backends.mosaic_gpu import default_config
+  for head_dim in (64, 128, 256):
+    candidates = tune_mosaic_gpu.forward_candidates(head_dim)
+    default = default_config(head_dim)
+    assert any((c.block_q, c.block_kv, c.stages) ==
+               (default.block_q, default.block_kv, default.stages)
+               for c in candidates), head_dim
+    for c in candidates:
+      smem = 2 * (2 * c.block_q * head_dim + 2 * c.stages * c.block_kv *
+                  head_dim)
+      assert smem <= 227 * 1024
