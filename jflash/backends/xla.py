@@ -9,10 +9,12 @@ tile from the saved logsumexp, in two passes (dQ; then dK and dV), neither
 of which needs atomics, so results are deterministic.
 
 Tiles span the whole batch and all heads, so inputs sharded over batch or
-heads with ``NamedSharding`` stay sharded through the loops.  Arithmetic is
-float32 (float64 for float64 inputs) with ``Precision.HIGHEST`` matmuls,
-whatever the input dtype: this backend favours exactness over speed; the
-hardware backends are the fast path.
+heads with ``NamedSharding`` stay sharded through the loops.  The softmax
+and every accumulation are float32 (float64 for float64 inputs).  Tile
+products of bfloat16/float16 inputs take operands in that dtype with
+float32 accumulation, as FlashAttention does; float32 inputs (or
+``XlaConfig(matmul_inputs="float32")``) multiply at
+``Precision.HIGHEST``.
 """
 
 from __future__ import annotations
@@ -42,13 +44,25 @@ class XlaConfig:
     max_tile_elements: upper bound on ``B * N * block_q * block_kv``, the
       size of one float32 score tile; blocks are halved (down to 16) until a
       tile fits, which bounds the loop's working memory.
+    matmul_inputs: operands of the tile matrix products.  ``"auto"``:
+      bfloat16/float16 inputs multiply in their own dtype with float32
+      accumulation (the tensor-core path, as FlashAttention and cuDNN do;
+      probabilities and score gradients are rounded to that dtype before
+      their products), float32/float64 inputs at ``Precision.HIGHEST``.
+      ``"float32"``: every product in float32 (float64 for float64 inputs)
+      at ``Precision.HIGHEST``, for the smallest error at several times the
+      cost on GPUs and TPUs.
   """
 
   block_q: int = 512
   block_kv: int = 512
   max_tile_elements: int = 1 << 24
+  matmul_inputs: str = "auto"
 
   def __post_init__(self):
+    if self.matmul_inputs not in ("auto", "float32"):
+      raise ValueError("XlaConfig.matmul_inputs must be 'auto' or 'float32', "
+                       f"got {self.matmul_inputs!r}")
     for name in ("block_q", "block_kv", "max_tile_elements"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -80,6 +94,17 @@ class _Plan:
   num_q: int
   num_kv: int
   compute_dtype: np.dtype
+  matmul_dtype: np.dtype  # operand dtype of the tile products
+
+
+def _mm(plan: _Plan, subscripts: str, a: Array, b: Array) -> Array:
+  """A tile product in ``plan.matmul_dtype``, accumulated in the compute
+  dtype."""
+  if plan.matmul_dtype == plan.compute_dtype:
+    return jnp.einsum(subscripts, a, b, precision=_HIGHEST)
+  return jnp.einsum(subscripts, a.astype(plan.matmul_dtype),
+                    b.astype(plan.matmul_dtype),
+                    preferred_element_type=plan.compute_dtype)
 
 
 def _pad_axis(x: Array, axis: int, size: int) -> Array:
@@ -158,7 +183,7 @@ class _Tiles:
     """Masked logits ``[B, K, G, bq, bk]`` of tile (qi, ki), and
     ``tanh(raw / cap)`` when a soft cap is set (for its derivative)."""
     plan = self.plan
-    s = jnp.einsum("bqkgh,bskh->bkgqs", qb, kb, precision=_HIGHEST)
+    s = _mm(plan, "bqkgh,bskh->bkgqs", qb, kb)
     s = s * jnp.asarray(plan.scale, s.dtype)
     if self.bias is not None:
       bias = self.bias_slice(self.bias, qi, ki).astype(s.dtype)
@@ -191,8 +216,7 @@ def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
       p = jnp.exp(s - m_safe[..., None])
       alpha = jnp.exp(m - m_safe)
       l = alpha * l + p.sum(-1)
-      acc = alpha[..., None] * acc + jnp.einsum(
-          "bkgqs,bskh->bkgqh", p, vb, precision=_HIGHEST)
+      acc = alpha[..., None] * acc + _mm(plan, "bkgqs,bskh->bkgqh", p, vb)
       return m_new, l, acc
 
     # Built from qb so that they carry its sharding (explicit-sharding mode
@@ -241,7 +265,7 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
   def logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki):
     s, tanh = tiles.logits(qb, kb, qi, ki)
     p = jnp.exp(s - lse_b[..., None])
-    dp = jnp.einsum("bqkgh,bskh->bkgqs", dob, vb, precision=_HIGHEST)
+    dp = _mm(plan, "bqkgh,bskh->bkgqs", dob, vb)
     ds = p * (dp - delta_b[..., None])
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)
@@ -264,7 +288,7 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
       ki = sched.kv_order[0, qi, j]
       kb, vb = tiles.keys(ki)
       _, ds = logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki)
-      dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds, kb, precision=_HIGHEST)
+      dq = dq + _mm(plan, "bkgqs,bskh->bqkgh", ds, kb)
       if dbias is not None:
         merged = ds.reshape(ds.shape[0], -1, *ds.shape[3:])  # [B, N, bq, bk]
         window = tiles.bias_slice(dbias, qi, ki)
@@ -294,8 +318,8 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
       qi = sched.q_order[0, ki, j]
       qb, dob, lse_b, delta_b = query_side(qi)
       p, ds = logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki)
-      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, dob, precision=_HIGHEST)
-      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, qb, precision=_HIGHEST)
+      dv = dv + _mm(plan, "bkgqs,bqkgh->bskh", p, dob)
+      dk = dk + _mm(plan, "bkgqs,bqkgh->bskh", ds, qb)
       return dk, dv
 
     dk, dv = lax.fori_loop(0, sched.q_count[0, ki], body,
@@ -353,10 +377,13 @@ class XlaBackend:
     kv_len = call.key.shape[1]
     block_q, block_kv = self.config.blocks_for(batch, num_heads, q_len,
                                                kv_len)
-    compute_dtype = jnp.promote_types(call.dtype, jnp.float32)
+    compute_dtype = np.dtype(jnp.promote_types(call.dtype, jnp.float32))
+    low_precision = call.dtype in (jnp.bfloat16, jnp.float16)
+    matmul_dtype = (np.dtype(call.dtype) if low_precision
+                    and self.config.matmul_inputs == "auto" else compute_dtype)
     plan = _Plan(scale=float(call.scale), soft_cap=call.logits_soft_cap,
                  block_q=block_q, block_kv=block_kv,
                  num_q=-(-q_len // block_q), num_kv=-(-kv_len // block_kv),
-                 compute_dtype=np.dtype(compute_dtype))
+                 compute_dtype=compute_dtype, matmul_dtype=matmul_dtype)
     return _attention(call.query, call.key, call.value, call.bias, call.mask,
                       plan)
