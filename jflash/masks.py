@@ -32,7 +32,6 @@ classified from per-tile minima/maxima and any/all reductions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -429,16 +428,6 @@ def tile_schedule(mask: AttentionMask, block_q: int, block_kv: int, *,
   q_order, q_count = _nonempty_first(jnp.swapaxes(nonempty, 1, 2))
   return TileSchedule(classes, kv_order, kv_count, q_order, q_count,
                       block_q, block_kv)
-
-
-def static_description(mask: AttentionMask) -> dict[str, Any]:
-  """The static part of a mask, for error messages and debugging."""
-  return dict(batch=mask.batch, q_len=mask.q_len, kv_len=mask.kv_len,
-              is_causal=mask.is_causal, window=mask.window,
-              q_lengths=mask.q_lengths is not None,
-              kv_lengths=mask.kv_lengths is not None,
-              segment_ids=mask.q_segment_ids is not None,
-              dense=None if mask.dense is None else tuple(mask.dense.shape))
 
 
 # ------------------------------------------------------ kernel-side helpers

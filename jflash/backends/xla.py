@@ -29,6 +29,7 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.base import AttentionCall
+from jflash.backends.padding import pad_axis
 
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
@@ -107,14 +108,6 @@ def _mm(plan: _Plan, subscripts: str, a: Array, b: Array) -> Array:
                     preferred_element_type=plan.compute_dtype)
 
 
-def _pad_axis(x: Array, axis: int, size: int) -> Array:
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
 def _split_heads(x: Array, num_kv_heads: int) -> Array:
   """``[B', N|1, ...]`` -> ``[B', K|1, G|1, ...]`` (head n = k * G + g)."""
   if x.shape[1] == 1:
@@ -137,14 +130,14 @@ class _Tiles:
     self.num_kv_heads = k.shape[2]
     tq, tk = plan.num_q * plan.block_q, plan.num_kv * plan.block_kv
     self.mask = mask.padded(tq, tk)
-    self.q = _pad_axis(q, 1, tq)
-    self.k = _pad_axis(k, 1, tk)
-    self.v = _pad_axis(v, 1, tk)
+    self.q = pad_axis(q, 1, tq)
+    self.k = pad_axis(k, 1, tk)
+    self.v = pad_axis(v, 1, tk)
     if bias is not None:
       if bias.shape[2] > 1:
-        bias = _pad_axis(bias, 2, tq)
+        bias = pad_axis(bias, 2, tq)
       if bias.shape[3] > 1:
-        bias = _pad_axis(bias, 3, tk)
+        bias = pad_axis(bias, 3, tk)
     self.bias = bias
 
   def rows(self, x: Array, qi: Array) -> Array:
@@ -258,8 +251,8 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
   delta = jnp.einsum("btnh,btnh->btn", d_out.astype(cdt), out.astype(cdt),
                      precision=_HIGHEST) - d_lse.astype(cdt)
   lse = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(cdt)
-  lse, delta = _pad_axis(lse, 1, tq), _pad_axis(delta, 1, tq)
-  d_out_padded = _pad_axis(d_out, 1, tq)
+  lse, delta = pad_axis(lse, 1, tq), pad_axis(delta, 1, tq)
+  d_out_padded = pad_axis(d_out, 1, tq)
   scale = jnp.asarray(plan.scale, cdt)
 
   def logit_grads(qb, dob, lse_b, delta_b, kb, vb, qi, ki):

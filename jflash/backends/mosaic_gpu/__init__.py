@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jflash import masks
 from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
+from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_gpu import backward, forward
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
@@ -102,18 +103,6 @@ class MosaicGpuBackend:
 
 
 # ------------------------------------------------------------------ layout
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _pad_axis(x: Array, axis: int, size: int) -> Array:
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Padded:
   q_pad: int
@@ -126,8 +115,8 @@ def _padding(mask: masks.AttentionMask, plan: _Plan) -> _Padded:
   # Every pass tiles the same padded extent.
   q_multiple = math.lcm(2 * c.block_q, 2 * c.block_q_dq, c.block_q_dkv)
   kv_multiple = math.lcm(c.block_kv, c.block_kv_dq, 2 * c.block_kv_dkv)
-  return _Padded(_round_up(mask.q_len, q_multiple),
-                 _round_up(mask.kv_len, kv_multiple),
+  return _Padded(round_up(mask.q_len, q_multiple),
+                 round_up(mask.kv_len, kv_multiple),
                  padded_head_dim(plan.head_dim))
 
 
@@ -135,8 +124,8 @@ def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
   segments = {}
   if mask.q_segment_ids is not None:
     segments = dict(
-        q_segments=_pad_axis(mask.q_segment_ids, 1, pads.q_pad),
-        kv_segments=_pad_axis(mask.kv_segment_ids, 1, pads.kv_pad))
+        q_segments=pad_axis(mask.q_segment_ids, 1, pads.q_pad),
+        kv_segments=pad_axis(mask.kv_segment_ids, 1, pads.kv_pad))
   return dict(q_lengths=mask.q_lengths, kv_lengths=mask.kv_lengths,
               q_segments=segments.get("q_segments"),
               kv_segments=segments.get("kv_segments"))
@@ -147,8 +136,8 @@ def _classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
   """int32 tile classes covering the padded extent (extra tiles EMPTY),
   ``[B, Tp / block_q, Sp / block_kv]``."""
   classes = masks.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
-  classes = _pad_axis(classes, 1, pads.q_pad // block_q)
-  return _pad_axis(classes, 2, pads.kv_pad // block_kv)
+  classes = pad_axis(classes, 1, pads.q_pad // block_q)
+  return pad_axis(classes, 2, pads.kv_pad // block_kv)
 
 
 def _classes_per_step(classes: Array, order: Array) -> Array:
@@ -172,17 +161,17 @@ def _classes_per_step(classes: Array, order: Array) -> Array:
 def _kv_schedule(mask, block_q, block_kv, pads):
   """Per ``block_q`` query rows: nonempty key tiles first, and their count."""
   sched = masks.tile_schedule(mask, block_q, block_kv)
-  order = _pad_axis(_pad_axis(sched.kv_order, 1, pads.q_pad // block_q), 2,
+  order = pad_axis(pad_axis(sched.kv_order, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // block_kv)
-  return order, _pad_axis(sched.kv_count, 1, pads.q_pad // block_q)
+  return order, pad_axis(sched.kv_count, 1, pads.q_pad // block_q)
 
 
 def _q_schedule(mask, block_q, block_kv, pads):
   """Per ``block_kv`` keys: nonempty query tiles first, and their count."""
   sched = masks.tile_schedule(mask, block_q, block_kv)
-  order = _pad_axis(_pad_axis(sched.q_order, 1, pads.kv_pad // block_kv), 2,
+  order = pad_axis(pad_axis(sched.q_order, 1, pads.kv_pad // block_kv), 2,
                     pads.q_pad // block_q)
-  return order, _pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
+  return order, pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
 
 
 def _rows_metadata(mask, block_q, block_kv, pads):
@@ -210,9 +199,9 @@ def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
 
 
 def _pad_inputs(q, k, v, pads: _Padded):
-  q = _pad_axis(_pad_axis(q, 1, pads.q_pad), 3, pads.head_pad)
-  k = _pad_axis(_pad_axis(k, 1, pads.kv_pad), 3, pads.head_pad)
-  v = _pad_axis(_pad_axis(v, 1, pads.kv_pad), 3, pads.head_pad)
+  q = pad_axis(pad_axis(q, 1, pads.q_pad), 3, pads.head_pad)
+  k = pad_axis(pad_axis(k, 1, pads.kv_pad), 3, pads.head_pad)
+  v = pad_axis(pad_axis(v, 1, pads.kv_pad), 3, pads.head_pad)
   return q, k, v
 
 
@@ -235,12 +224,12 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   c = plan.config
   pads = _padding(mask, plan)
   qp, kp, vp = _pad_inputs(q, k, v, pads)
-  dop = _pad_axis(_pad_axis(d_out.astype(q.dtype), 1, pads.q_pad), 3,
+  dop = pad_axis(pad_axis(d_out.astype(q.dtype), 1, pads.q_pad), 3,
                   pads.head_pad)
   # delta = rowsum(dO * O) - dlse, in float32, [B, N, Tp].
   delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
                      out.astype(jnp.float32))
-  delta = _pad_axis(delta - jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2), 2,
+  delta = pad_axis(delta - jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2), 2,
                     pads.q_pad)
   # Base-2 logsumexp; +inf for rows that see nothing, so that their
   # recomputed probabilities are exp2(-inf) == 0.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jflash import masks
 from jflash.backends.base import AttentionCall
+from jflash.backends.padding import round_up
 from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_tpu import ops
 from jflash.backends.mosaic_tpu.common import Plan
@@ -33,10 +34,6 @@ MAX_HEAD_DIM = 256
 METADATA_BUDGET_BYTES = 256 * 1024
 """Most scalar-prefetch (SMEM) bytes one kernel's tile visits may take."""
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def _granule(block: int) -> int:
@@ -79,7 +76,7 @@ class MosaicTpuBackend:
     batch, q_len, _, head_dim = call.query.shape
     kv_len = call.key.shape[1]
     kernel_dtype = jnp.float32 if call.dtype == jnp.float16 else call.dtype
-    head_padded = _round_up(head_dim, LANES)
+    head_padded = round_up(head_dim, LANES)
     gen = generation_of(target_device()[1])
     block_q, block_kv, vmem_limit = self.config.resolve(
         gen, head_padded, jnp.dtype(kernel_dtype).itemsize,
@@ -87,8 +84,8 @@ class MosaicTpuBackend:
     # Short sequences shrink a block to the sequence, rounded up to whole
     # 128-row tiles when the block is TPU-legal (so that interpret mode
     # runs the plan a TPU would), else to whole sublanes.
-    block_q = min(block_q, _round_up(q_len, _granule(block_q)))
-    block_kv = min(block_kv, _round_up(kv_len, _granule(block_kv)))
+    block_q = min(block_q, round_up(q_len, _granule(block_q)))
+    block_kv = min(block_kv, round_up(kv_len, _granule(block_kv)))
     num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
     kv_steps, q_steps = masks.max_visited_blocks(mask, block_q, block_kv)
     per_row = (mask.q_lengths is not None or mask.kv_lengths is not None
