@@ -1,10 +1,15 @@
 """The conformance suite on the ``xla`` backend, with small tiles so that
 every case spans many of them (and once with the default tiling)."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jflash
 from jflash.backends import XlaBackend, XlaConfig
 from tests import conformance
+from tests._support import fresh_rng, random_qkv
 
 
 class TestXlaSmallTiles(conformance.AttentionConformance):
@@ -37,3 +42,22 @@ class TestXlaFloat32Products(conformance.AttentionConformance):
 def test_config_rejects_unknown_matmul_inputs():
   with pytest.raises(ValueError, match="matmul_inputs"):
     XlaConfig(matmul_inputs="tf32")
+
+
+def test_matmul_inputs_selects_the_product_dtype():
+  """``"float32"`` computes bfloat16 inputs exactly as their float32 upcast
+  (rounded once at the end); ``"auto"`` multiplies them in bfloat16."""
+  q, k, v = random_qkv(fresh_rng(), b=2, t=40, s=40, n=4, k=2, h=32,
+                       dtype=jnp.bfloat16)
+
+  def run(matmul_inputs, *arrays):
+    backend = XlaBackend(XlaConfig(block_q=16, block_kv=32,
+                                   matmul_inputs=matmul_inputs))
+    return np.asarray(jax.jit(lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, implementation=backend))(*arrays),
+                      np.float32)
+
+  upcast = run("auto", *(x.astype(jnp.float32) for x in (q, k, v)))
+  rounded = np.asarray(jnp.asarray(upcast).astype(jnp.bfloat16), np.float32)
+  np.testing.assert_array_equal(run("float32", q, k, v), rounded)
+  assert not np.array_equal(run("auto", q, k, v), rounded)
