@@ -266,6 +266,16 @@ class AttentionConformance:
                       kv_heads=kv_heads, q_len=50, kv_len=50)
     self.check_case(case, dtype, seed)
 
+  @pytest.mark.parametrize("scale", (-0.3, 0.0), ids=["negative", "zero"])
+  def test_nonpositive_scale(self, scale):
+    """A scale <= 0 is legal: the row maximum must then be taken after
+    scaling (kernels may fold a positive scale into their exponent)."""
+    rng, seed = new_rng()
+    case = build_case(rng, "causal", dtype=self.main_dtype, q_len=70,
+                      kv_len=70)
+    case.kwargs["scale"] = scale
+    self.check_case(case, self.main_dtype, seed)
+
   def test_float16(self):
     rng, seed = new_rng()
     n = self.feature_len

@@ -42,6 +42,19 @@ def _optional(**arrays):
   return names, [arrays[n] for n in names]
 
 
+def _probabilities(qk: Array, logits: LogitTransform, full: Array, masked,
+                   lse2: Array) -> tuple[Array, Array | None]:
+  """``P = exp2(s - lse2)`` of the raw products ``qk`` (``masked`` applied
+  unless ``full``), and the soft cap's derivative (None without a cap)."""
+  factor = logits.linear_factor
+  if factor is not None:  # mask the raw products; one FMA per exponent
+    qk = lax.cond(full, lambda s: s, masked, qk)
+    return jnp.exp2(qk * factor - lse2), None
+  s = logits(qk)
+  p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
+  return p, logits.derivative(s)
+
+
 def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                    kv_order: Array, kv_count: Array, classes: Array,
                    q_lengths: Array | None, kv_lengths: Array | None,
@@ -127,23 +140,24 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           def qk_product(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
-          s = logits(pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32)))
+          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
 
           def masked(s):
             return spec.mask_tile(s, row_start=q_base, col_tile=tile_at(i),
                                   col_block=block_kv, rows_are_queries=True,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
           plgpu.barrier_wait(v_ready.at[slot])
 
           def dp_product(acc_ref):
             plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+            # The probabilities while the tensor cores compute dP.
+            p, derivative = _probabilities(qk, logits, full, masked, lse2)
+            return p, derivative, acc_ref[...]
+          p, derivative, dp = pl.run_scoped(dp_product,
+                                            plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(v_free.at[slot])
           ds = p * (dp - delta)
-          derivative = logits.derivative(s)
           if derivative is not None:
             ds = ds * derivative
 
@@ -295,7 +309,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           def kq_product(acc_ref):
             plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
-          s = logits(pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32)))
+          qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
 
           def masked(s):
             _, q_tile = head_and_tile(i)
@@ -303,28 +317,40 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
           plgpu.barrier_wait(do_ready.at[slot])
 
-          if want_dv:
-            def dv_product(acc_ref):
-              plgpu.wgmma(acc_ref, p.astype(dtype), do_smem.at[slot])
-            dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
           if want_dk:
             def dp_product(acc_ref):
               plgpu.wgmma(acc_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-              return acc_ref[...]
-            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
-          plgpu.barrier_arrive(do_free.at[slot])
-          if want_dk:
-            ds = p * (dp - delta)
-            derivative = logits.derivative(s)
-            if derivative is not None:
-              ds = ds * derivative
+              # The probabilities while the tensor cores compute dP^T.
+              p, derivative = _probabilities(qk, logits, full, masked, lse2)
+              return p, derivative, acc_ref[...]
+            p, derivative, dp = pl.run_scoped(dp_product,
+                                              plgpu.ACC(tile, jnp.float32))
+          else:
+            p, _ = _probabilities(qk, logits, full, masked, lse2)
 
+          def ds_of(p):
+            ds = p * (dp - delta)
+            return ds if derivative is None else ds * derivative
+
+          if want_dv and want_dk:
+            def dv_dk_products(refs):
+              dv_ref, dk_ref = refs
+              plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+              # dS while the tensor cores compute dV.
+              plgpu.wgmma(dk_ref, ds_of(p).astype(dtype), q_smem.at[slot])
+            dv, dk = pl.run_state(dv_dk_products)(
+                (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+          elif want_dv:
+            def dv_product(acc_ref):
+              plgpu.wgmma(acc_ref, p.astype(dtype), do_smem.at[slot])
+            dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
+          else:
             def dk_product(acc_ref):
-              plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
+              plgpu.wgmma(acc_ref, ds_of(p).astype(dtype), q_smem.at[slot])
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
+          plgpu.barrier_arrive(do_free.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
           return dk, dv
 

@@ -118,6 +118,16 @@ class LogitTransform:
     return jnp.tanh(qk * (self.scale / self.soft_cap)) * (
         self.soft_cap * LOG2E)
 
+  @property
+  def linear_factor(self) -> float | None:
+    """``scale * log2(e)`` when the transform is multiplication by a
+    positive factor (no soft cap, ``scale > 0``), else None.  Then the row
+    maximum can be taken on the raw products and ``exp2(qk * factor - m)``
+    is one fused multiply-add per element."""
+    if self.soft_cap is None and self.scale > 0:
+      return self.scale * LOG2E
+    return None
+
   def derivative(self, s2: Array) -> Array | None:
     """d(natural logit)/d(scale * qk) given the base-2 logits ``s2``, or None
     when it is 1 (no cap): ``1 - tanh^2``."""

@@ -118,11 +118,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                 q_length=q_length, kv_length=kv_length,
                                 q_seg=q_seg, kv_seg=kv_seg)
 
+        factor = logits.linear_factor
+
         def step(i, carry):
           acc, m, l = carry
           slot = lax.rem(i, stages)
           full = class_ref[b, q_block, i, wg] == masks.FULL
-          plgpu.barrier_wait(k_ready.at[slot])
+          # K of this step was waited for during the previous step's P V.
           kv_seg = None
           if kv_seg_ref is not None:
             plgpu.barrier_wait(kvseg_ready.at[slot])
@@ -135,12 +137,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             return acc_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
-          s = logits(qk)
-          s = lax.cond(full, lambda s: s,
-                       lambda s: masked(s, tile_at(i), kv_seg), s)
-          m_new = jnp.maximum(m, s.max(axis=1))
+          if factor is None:
+            s = logits(qk)
+            s = lax.cond(full, lambda s: s,
+                         lambda s: masked(s, tile_at(i), kv_seg), s)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp2(s - broadcast_rows(m_new, tile))
+          else:  # the maximum of the raw products; one FMA per exponent
+            qk = lax.cond(full, lambda s: s,
+                          lambda s: masked(s, tile_at(i), kv_seg), qk)
+            m_new = jnp.maximum(m, qk.max(axis=1) * factor)
+            p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
           rescale = jnp.exp2(m - m_new)
-          p = jnp.exp2(s - broadcast_rows(m_new, tile))
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
           p_low = p.astype(dtype)
@@ -159,6 +167,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
           def pv_product(acc_ref):
             plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
+            # Wait for the next K while the tensor cores work.
+            @pl.when(i + 1 < count)
+            def _():
+              plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, stages)])
           acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l
@@ -168,6 +180,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
                               _ROW)
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
+        @pl.when(count > 0)
+        def _():
+          plgpu.barrier_wait(k_ready.at[0])
         pl.when(wg == 1)(take_turn)
         acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
         pl.when(wg == 0)(take_turn)
