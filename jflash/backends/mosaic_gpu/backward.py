@@ -147,15 +147,13 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   col_block=block_kv, rows_are_queries=True,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
+          p, derivative = _probabilities(qk, logits, full, masked, lse2)
           plgpu.barrier_wait(v_ready.at[slot])
 
           def dp_product(acc_ref):
             plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-            # The probabilities while the tensor cores compute dP.
-            p, derivative = _probabilities(qk, logits, full, masked, lse2)
-            return p, derivative, acc_ref[...]
-          p, derivative, dp = pl.run_scoped(dp_product,
-                                            plgpu.ACC(tile, jnp.float32))
+            return acc_ref[...]
+          dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(v_free.at[slot])
           ds = p * (dp - delta)
           if derivative is not None:
@@ -317,18 +315,14 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
+          p, derivative = _probabilities(qk, logits, full, masked, lse2)
           plgpu.barrier_wait(do_ready.at[slot])
 
           if want_dk:
             def dp_product(acc_ref):
               plgpu.wgmma(acc_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-              # The probabilities while the tensor cores compute dP^T.
-              p, derivative = _probabilities(qk, logits, full, masked, lse2)
-              return p, derivative, acc_ref[...]
-            p, derivative, dp = pl.run_scoped(dp_product,
-                                              plgpu.ACC(tile, jnp.float32))
-          else:
-            p, _ = _probabilities(qk, logits, full, masked, lse2)
+              return acc_ref[...]
+            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
 
           def ds_of(p):
             ds = p * (dp - delta)
