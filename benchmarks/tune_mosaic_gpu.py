@@ -63,7 +63,8 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
   dkv = [dict(block_q_dkv=a, block_kv_dkv=b) for a, b in
          itertools.product(blocks, blocks)
          if head_dim <= 128 or b == 64]
-  stages = [dict(stages_bwd=s) for s in (1, 2, 3)]
+  stages = [dict(stages_dq=a, stages_dkv=b) for a, b in
+            itertools.product((1, 2, 3), (1, 2, 3))]
   return [dq, dkv, stages]
 
 

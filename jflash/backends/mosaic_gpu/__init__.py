@@ -190,6 +190,16 @@ def _keys_metadata(mask, block_q, block_kv, pads):
   return order, count, _classes_per_step(classes, order)
 
 
+def _shared_keys_metadata(mask, block_q, block_kv, pads):
+  """dK/dV with split outputs: per CTA of ``block_kv`` keys (both consumers
+  take the same keys), the query tiles to visit, their count, and the class
+  at each step (the same for both consumers)."""
+  order, count = _q_schedule(mask, block_q, block_kv, pads)
+  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
+  per_step = jnp.take_along_axis(classes, order, axis=2)
+  return order, count, jnp.stack([per_step, per_step], axis=-1)
+
+
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
               pads: _Padded) -> tuple[Array, Array, Array]:
   """``make(mask, block_q, block_kv, pads)``; constants built while tracing
@@ -241,20 +251,19 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
                                     c.block_kv_dq, pads)
   dq = backward.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
-      classes=classes, block_q=c.block_q_dq, block_kv=c.block_kv_dq, stages=c.stages_bwd,
+      classes=classes, block_q=c.block_q_dq, block_kv=c.block_kv_dq,
+      stages=c.stages_dq,
       **common_args)
-  order, count, classes = _metadata(_keys_metadata, mask, c.block_q_dkv,
-                                    c.block_kv_dkv, pads)
-  dkv_args = dict(q_order=order, q_count=count, classes=classes,
-                  block_q=c.block_q_dkv, block_kv=c.block_kv_dkv,
-                  stages=c.stages_bwd, **common_args)
-  if pads.head_pad <= 128:
-    dk, dv = backward.dkv_kernel_call(qp, kp, vp, dop, stats, **dkv_args)
-  else:  # dK and dV accumulators do not fit in registers together
-    dk, _ = backward.dkv_kernel_call(qp, kp, vp, dop, stats, want_dv=False,
-                                     **dkv_args)
-    _, dv = backward.dkv_kernel_call(qp, kp, vp, dop, stats, want_dk=False,
-                                     **dkv_args)
+  # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
+  # the two consumers then share their keys, one output each.
+  split_outputs = pads.head_pad > 128
+  order, count, classes = _metadata(
+      _shared_keys_metadata if split_outputs else _keys_metadata, mask,
+      c.block_q_dkv, c.block_kv_dkv, pads)
+  dk, dv = backward.dkv_kernel_call(
+      qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
+      block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,
+      split_outputs=split_outputs, **common_args)
   t, s, h = mask.q_len, mask.kv_len, plan.head_dim
   return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 

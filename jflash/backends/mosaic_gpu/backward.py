@@ -15,7 +15,8 @@ and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
   the GQA group over the key block's nonempty query tiles.  Summing the group
   inside one CTA, in a fixed order, makes the result deterministic without
   materializing repeated K/V.  At head dim 256 the two accumulators do not
-  fit in registers together; the kernel then runs twice, once per output.
+  fit in one warpgroup's registers; both warpgroups then take the same keys,
+  one accumulating dV and the other dK.
 """
 
 from __future__ import annotations
@@ -218,36 +219,39 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     q_lengths: Array | None, kv_lengths: Array | None,
                     q_segments: Array | None, kv_segments: Array | None,
                     spec: MaskSpec, logits: LogitTransform, block_q: int,
-                    block_kv: int, stages: int, want_dk: bool = True,
-                    want_dv: bool = True) -> tuple[Array | None, Array | None]:
+                    block_kv: int, stages: int,
+                    split_outputs: bool = False) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
   Args:
-    q_order, q_count: the tile schedule at ``2 * block_kv`` keys per key
-      block, ``[B, Sp / (2 block_kv), Tp / block_q]`` and ``[B, Sp / (2
-      block_kv)]``.
-    classes: int32 ``[B, Sp / (2 block_kv), Tp / block_q, 2]``: the class of
-      the tile visited at each step of ``q_order`` for each consumer's
+    q_order, q_count: the tile schedule at ``keys`` keys per key block,
+      ``[B, Sp / keys, Tp / block_q]`` and ``[B, Sp / keys]``, where
+      ``keys`` is ``2 * block_kv``, or ``block_kv`` with ``split_outputs``.
+    classes: int32 ``[B, Sp / keys, Tp / block_q, 2]``: the class of the
+      tile visited at each step of ``q_order`` for each consumer's
       ``block_kv`` keys.
-    want_dk, want_dv: which outputs to compute (both by default).
+    split_outputs: both consumer warpgroups take the same ``block_kv`` keys;
+      the first accumulates dV, the second dK.  For head dims whose two
+      accumulators do not fit in one warpgroup's registers (256): the CTA
+      still reads Q and dO once for both outputs.
 
   Returns:
-    ``(dk, dv)``, each ``[B, Sp, K, Hp]`` in the input dtype, or None where
-    not wanted.
+    ``(dk, dv)``, each ``[B, Sp, K, Hp]`` in the input dtype.
   """
   batch, q_pad, num_heads, head_dim = q.shape
   kv_pad, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
   tile = (block_kv, block_q)  # transposed: keys are the rows here
+  key_buffers = 1 if split_outputs else 2
+  keys_per_cta = key_buffers * block_kv
   names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
-  outputs = [n for n, want in (("dk", want_dk), ("dv", want_dv)) if want]
 
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
              class_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
-    out_refs = dict(zip(outputs, rest[len(names):]))
+    dk_ref, dv_ref = rest[len(names):]
     b = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     kv_block = lax.axis_index("kv_seq")
@@ -264,29 +268,21 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
     def body(k_smem2, v_smem2, kvseg_smem2, q_smem, do_smem, stats_smem,
              qseg_smem, kv_ready, q_ready, do_ready, stats_ready, qseg_ready,
-             q_free, do_free):
+             q_free, do_free, consumers_done):
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
-        my_block = kv_block * 2 + wg
-        kv_base = my_block * block_kv
+      def consume(want_dk: bool, want_dv: bool, buffer):
+        """One consumer's loop over the steps, accumulating the wanted
+        outputs for keys ``buffer`` of the CTA, then their write-back."""
+        kv_base = kv_block * keys_per_cta + buffer * block_kv
         rows = pl.ds(kv_base, block_kv)
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem,
-                                kv_ready.at[3 * wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem,
-                                kv_ready.at[3 * wg + 1])
+        k_smem, v_smem = k_smem2.at[buffer], v_smem2.at[buffer]
         kv_seg = None
         if kv_seg_ref is not None:
-          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kvseg_smem2.at[wg],
-                                  kv_ready.at[3 * wg + 2])
-          plgpu.barrier_wait(kv_ready.at[3 * wg + 2])
+          plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
           kv_seg = broadcast_rows(
-              plgpu.load(kvseg_smem2.at[wg], layout=_ROW), tile)
-        plgpu.barrier_wait(kv_ready.at[3 * wg])
-        plgpu.barrier_wait(kv_ready.at[3 * wg + 1])
+              plgpu.load(kvseg_smem2.at[buffer], layout=_ROW), tile)
+        plgpu.barrier_wait(kv_ready.at[3 * buffer])
+        plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
 
         def step(i, carry):
           dk, dv = carry
@@ -352,18 +348,47 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, steps, step, (
             zeros() if want_dk else None, zeros() if want_dv else None))
-        results = dict(dk=(dk, k_smem), dv=(dv, v_smem))
-        for name in outputs:
-          acc, smem = results[name]
-          if name == "dk":
-            acc = acc * logits.scale
-          smem[...] = acc.astype(dtype)
+        if split_outputs:
+          # The other warpgroup may still read K or V: the results go into
+          # those buffers only after both are done.
+          plgpu.barrier_arrive(consumers_done)
+          plgpu.barrier_wait(consumers_done)
+        written = []
+        if want_dk:
+          k_smem[...] = (dk * logits.scale).astype(dtype)
+          written.append((k_smem, dk_ref))
+        if want_dv:
+          v_smem[...] = dv.astype(dtype)
+          written.append((v_smem, dv_ref))
         plgpu.commit_smem()
-        for name in outputs:
-          plgpu.copy_smem_to_gmem(results[name][1],
-                                  out_refs[name].at[b, rows, kv_head])
+        for smem, out_ref in written:
+          plgpu.copy_smem_to_gmem(smem, out_ref.at[b, rows, kv_head])
         plgpu.wait_smem_to_gmem(0)
 
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
+
+        def load_keys(buffer):
+          rows = pl.ds(kv_block * keys_per_cta + buffer * block_kv, block_kv)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head],
+                                  k_smem2.at[buffer], kv_ready.at[3 * buffer])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head],
+                                  v_smem2.at[buffer],
+                                  kv_ready.at[3 * buffer + 1])
+          if kv_seg_ref is not None:
+            plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows],
+                                    kvseg_smem2.at[buffer],
+                                    kv_ready.at[3 * buffer + 2])
+
+        if split_outputs:  # one set of keys, loaded once, read by both
+          pl.when(wg == 0)(lambda: load_keys(0))
+          pl.when(wg == 0)(lambda: consume(False, True, 0))
+          pl.when(wg == 1)(lambda: consume(True, False, 0))
+        else:
+          load_keys(wg)
+          consume(True, True, wg)
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
@@ -395,9 +420,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     segments = spec.has_segments
     pl.run_scoped(
         body,
-        common.smem_tile((2, block_kv, head_dim), dtype),
-        common.smem_tile((2, block_kv, head_dim), dtype),
-        plgpu.SMEM((2, block_kv), jnp.int32) if segments else None,
+        common.smem_tile((key_buffers, block_kv, head_dim), dtype),
+        common.smem_tile((key_buffers, block_kv, head_dim), dtype),
+        plgpu.SMEM((key_buffers, block_kv), jnp.int32) if segments else None,
         common.smem_tile((stages, block_q, head_dim), dtype),
         common.smem_tile((stages, block_q, head_dim), dtype),
         plgpu.SMEM((stages, 2, block_q), jnp.float32),
@@ -409,18 +434,18 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         plgpu.Barrier(num_barriers=stages) if segments else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
 
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  results = plgpu.kernel(
+  dk, dv = plgpu.kernel(
       kernel,
-      out_type=tuple(kv_type for _ in outputs),
-      grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
+      out_type=(kv_type, kv_type),
+      grid=(num_kv_heads, kv_pad // keys_per_cta, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, do, stats, q_order, q_count, classes, *extras)
-  results = dict(zip(outputs, results))
-  return results.get("dk"), results.get("dv")
+  return dk, dv

@@ -16,7 +16,8 @@ class MosaicGpuConfig:
   ``stages`` shared-memory buffers.  The backward passes have their own
   tiles: dQ keeps ``block_q_dq`` query rows per warpgroup and streams
   ``block_kv_dq`` keys; dK/dV keeps ``block_kv_dkv`` keys per warpgroup and
-  streams ``block_q_dkv`` queries.
+  streams ``block_q_dkv`` queries (at head dim 256 both warpgroups share
+  their keys, one accumulating dK and the other dV).
 
   Attributes:
     block_q: forward query rows per consumer warpgroup (multiple of 64).
@@ -24,8 +25,9 @@ class MosaicGpuConfig:
     stages: forward K/V ring depth (at least 2).
     block_q_dq, block_kv_dq: dQ pass tiles (multiples of 64).
     block_q_dkv, block_kv_dkv: dK/dV pass tiles (multiples of 64).
-    stages_bwd: ring depth of both backward passes (at least 1; 1 loads
-      the next tile only after the current one is consumed).
+    stages_dq, stages_dkv: ring depths of the dQ and dK/dV passes (at
+      least 1; 1 loads the next tile only after the current one is
+      consumed).
   """
 
   block_q: int | None = None
@@ -35,7 +37,8 @@ class MosaicGpuConfig:
   block_kv_dq: int | None = None
   block_q_dkv: int | None = None
   block_kv_dkv: int | None = None
-  stages_bwd: int | None = None
+  stages_dq: int | None = None
+  stages_dkv: int | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -69,13 +72,13 @@ class MosaicGpuConfig:
 _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=128, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                        stages_bwd=2),
+                        stages_dq=2, stages_dkv=2),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                         stages_bwd=2),
+                         stages_dq=2, stages_dkv=2),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
-                         stages_bwd=1),
+                         stages_dq=1, stages_dkv=2),
 }
 
 
