@@ -70,7 +70,7 @@ class MosaicGpuConfig:
 # 2 * block_q * H * 2 bytes, each stage 2 * block_kv * H * 2 bytes, out of
 # 227 KiB.
 _DEFAULTS = {
-    64: MosaicGpuConfig(block_q=64, block_kv=128, stages=3, block_q_dq=64,
+    64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
