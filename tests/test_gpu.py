@@ -57,6 +57,26 @@ class TestMosaicGpu(conformance.AttentionConformance):
   feature_len = 301
 
 
+class TestMosaicGpuFusedBackward(TestMosaicGpu):
+  """The one-pass backward (``MosaicGpuConfig(fuse_dq=True)``): dQ added
+  into a float32 accumulator in a fixed order from the dK/dV loop.  It
+  serves head dims up to 128 and rejects 256 by name."""
+
+  head_dims = (32, 64, 80, 128)
+
+  @property
+  def implementation(self):
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(fuse_dq=True))
+
+  def check_case(self, case, dtype, seed):
+    if case.query.shape[-1] > 128:
+      with pytest.raises(ValueError, match="fuse_dq"):
+        case.call_jflash(*case.arrays, **self.backend_kwargs)
+      return
+    super().check_case(case, dtype, seed)
+
+
 def test_mosaic_gpu_writes_every_output_element():
   """Poisoned memory: the allocator's free blocks are filled with NaN right
   before the call, so any output or gradient element a kernel fails to

@@ -27,11 +27,86 @@ def _rng():
 
 @pytest.mark.parametrize("field,value", [("block_q", 96), ("block_kv", 0),
                                          ("stages", 1), ("stages_dq", 0),
-                                         ("stages_dkv", 0),
+                                         ("stages_dkv", 0), ("fuse_dq", 1),
                                          ("block_q_dq", 64.0)])
 def test_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=f"MosaicGpuConfig.{field}"):
     MosaicGpuConfig(**{field: value})
+
+
+def test_fused_backward_rejects_head_dim_256():
+  with pytest.raises(ValueError, match="fuse_dq.*256"):
+    MosaicGpuConfig(fuse_dq=True).resolved(256)
+  assert MosaicGpuConfig(fuse_dq=True).resolved(100).fuse_dq
+
+
+def test_fused_backward_ranks_order_every_query_tile():
+  """For each query tile, the key blocks visiting it get ranks 0, 1, 2, ...
+  in key-block order, and the visited flags mark exactly the query tiles
+  some key block visits."""
+  rng = _rng()
+  batch, t, s = 2, 333, 300
+  mask = masks.AttentionMask(
+      batch=batch, q_len=t, kv_len=s, is_causal=True, window=(150, 0),
+      kv_lengths=jnp.asarray([300, 120], jnp.int32),
+      q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
+      kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
+  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+                          logits=LogitTransform(0.1, None),
+                          config=MosaicGpuConfig(fuse_dq=True).resolved(128),
+                          head_dim=128)
+  bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
+  pads = mosaic_gpu._padding(mask, plan)
+  order, count, _, ranks, visited = map(
+      np.asarray, mosaic_gpu._fused_keys_metadata(mask, bq, bk, pads))
+  visible = np.asarray(mask.visibility())[:, 0]
+  for b in range(batch):
+    seen = {}
+    for j in range(order.shape[1]):  # key blocks in grid order
+      for step in range(count[b, j]):
+        q_tile = order[b, j, step]
+        assert ranks[b, j, step] == seen.get(q_tile, 0)
+        seen[q_tile] = seen.get(q_tile, 0) + 1
+    for q_tile in range(visited.shape[1]):
+      rows = visible[b, q_tile * bq:(q_tile + 1) * bq]
+      assert visited[b, q_tile] == (q_tile in seen)
+      if rows.any():
+        assert q_tile in seen
+
+
+@pytest.mark.parametrize("head_dim,features", [
+    (128, dict(is_causal=True, lengths=True)),
+    (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),
+])
+def test_fused_backward_lowers_to_mosaic_gpu(head_dim, features):
+  rng = _rng()
+  batch, t, heads, kv_heads = 2, 300, 4, 2
+  q = jax.ShapeDtypeStruct((batch, t, heads, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((batch, t, kv_heads, head_dim), jnp.bfloat16)
+  rules = dict(is_causal=features.get("is_causal", False),
+               window=features.get("window"))
+  if features.get("lengths"):
+    rules.update(q_lengths=jnp.asarray([300, 10], jnp.int32),
+                 kv_lengths=jnp.asarray([200, 300], jnp.int32))
+  if features.get("segments"):
+    ids = jnp.asarray(random_segments(rng, batch, t))
+    rules.update(q_segment_ids=ids, kv_segment_ids=ids)
+  mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=t, **rules)
+  plan = mosaic_gpu._Plan(
+      spec=MaskSpec.of(mask),
+      logits=LogitTransform(0.125, features.get("soft_cap")),
+      config=MosaicGpuConfig(fuse_dq=True).resolved(head_dim),
+      head_dim=head_dim)
+
+  def run(q, k, v):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan), q, k, v)
+    return vjp((out, lse))
+
+  text = jax.jit(run).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  # Forward and the one backward kernel; no dQ pass.
+  assert text.count("mosaic_gpu") >= 2
 
 
 def test_config_resolves_per_head_dim():

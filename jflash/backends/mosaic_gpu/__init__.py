@@ -26,7 +26,7 @@ from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
-from jflash.backends.mosaic_gpu import backward, forward
+from jflash.backends.mosaic_gpu import backward, backward_fused, forward
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
@@ -200,6 +200,20 @@ def _shared_keys_metadata(mask, block_q, block_kv, pads):
   return order, count, jnp.stack([per_step, per_step], axis=-1)
 
 
+def _fused_keys_metadata(mask, block_q, block_kv, pads):
+  """The dK/dV metadata plus, for the fused backward, the rank of each
+  step's query tile among the key blocks visiting it (``[B, Sp / (2
+  block_kv), Tp / block_q]``) and which query tiles any key block visits
+  (``[B, Tp / block_q]``)."""
+  order, count, classes = _keys_metadata(mask, block_q, block_kv, pads)
+  visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
+  visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
+                    pads.kv_pad // (2 * block_kv)).astype(jnp.int32)
+  earlier = jnp.cumsum(visits, axis=2) - visits  # [B, q tiles, key blocks]
+  ranks = jnp.take_along_axis(jnp.swapaxes(earlier, 1, 2), order, axis=2)
+  return order, count, classes, ranks, visits.any(axis=2)
+
+
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
               pads: _Padded) -> tuple[Array, Array, Array]:
   """``make(mask, block_q, block_kv, pads)``; constants built while tracing
@@ -247,13 +261,25 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   stats = jnp.stack([lse2, delta], axis=2)  # [B, N, 2, Tp]
   extras = _mask_inputs(mask, pads)
   common_args = dict(spec=plan.spec, logits=plan.logits, **extras)
+  t, s, h = mask.q_len, mask.kv_len, plan.head_dim
+  if c.fuse_dq:
+    order, count, classes, ranks, visited = _metadata(
+        _fused_keys_metadata, mask, c.block_q_dkv, c.block_kv_dkv, pads)
+    dq_sum, dk, dv = backward_fused.fused_backward_call(
+        qp, kp, vp, dop, stats, q_order=order, q_count=count,
+        classes=classes, ranks=ranks, block_q=c.block_q_dkv,
+        block_kv=c.block_kv_dkv, stages=c.stages_dkv, **common_args)
+    # Query tiles that no key block visits were never written.
+    rows = jnp.repeat(visited, c.block_q_dkv, axis=1)[:, :, None, None]
+    dq = jnp.where(rows, dq_sum * plan.logits.scale, 0.0).astype(q.dtype)
+    return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
+
   order, count, classes = _metadata(_rows_metadata, mask, c.block_q_dq,
                                     c.block_kv_dq, pads)
   dq = backward.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
       classes=classes, block_q=c.block_q_dq, block_kv=c.block_kv_dq,
-      stages=c.stages_dq,
-      **common_args)
+      stages=c.stages_dq, **common_args)
   # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
   # the two consumers then share their keys, one output each.
   split_outputs = pads.head_pad > 128
@@ -264,7 +290,6 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
       block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,
       split_outputs=split_outputs, **common_args)
-  t, s, h = mask.q_len, mask.kv_len, plan.head_dim
   return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 
 

@@ -28,6 +28,10 @@ class MosaicGpuConfig:
     stages_dq, stages_dkv: ring depths of the dQ and dK/dV passes (at
       least 1; 1 loads the next tile only after the current one is
       consumed).
+    fuse_dq: form dQ inside the dK/dV pass, adding each key block's
+      contribution into a float32 accumulator in a fixed order
+      (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
+      products per tile instead of seven.  Head dims up to 128.
   """
 
   block_q: int | None = None
@@ -39,11 +43,17 @@ class MosaicGpuConfig:
   block_kv_dkv: int | None = None
   stages_dq: int | None = None
   stages_dkv: int | None = None
+  fuse_dq: bool | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if value is None:
+        continue
+      if field.name == "fuse_dq":
+        if not isinstance(value, bool):
+          raise ValueError(f"MosaicGpuConfig.fuse_dq must be a bool or None, "
+                           f"got {value!r}")
         continue
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"MosaicGpuConfig.{field.name} must be an int or "
@@ -60,9 +70,13 @@ class MosaicGpuConfig:
   def resolved(self, head_dim: int) -> "MosaicGpuConfig":
     """Every ``None`` field filled from :func:`default_config`."""
     base = default_config(head_dim)
-    return dataclasses.replace(base, **{
+    config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
         if getattr(self, f.name) is not None})
+    if config.fuse_dq and padded_head_dim(head_dim) > 128:
+      raise ValueError(f"MosaicGpuConfig.fuse_dq serves head dims up to 128, "
+                       f"got head dim {head_dim}")
+    return config
 
 
 # Per padded head dim; from benchmarks/tune_mosaic_gpu.py on an H200 (see
@@ -72,13 +86,13 @@ class MosaicGpuConfig:
 _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                        stages_dq=2, stages_dkv=2),
+                        stages_dq=2, stages_dkv=2, fuse_dq=False),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=2, stages_dkv=2),
+                         stages_dq=2, stages_dkv=2, fuse_dq=False),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=1, stages_dkv=2),
+                         stages_dq=1, stages_dkv=2, fuse_dq=False),
 }
 
 

@@ -1,0 +1,334 @@
+"""Hopper backward in one pass: dK, dV and dQ from the dK/dV loop.
+
+The two-pass backward (:mod:`~jflash.backends.mosaic_gpu.backward`) does
+seven tile products per visited tile, because its dQ pass recomputes ``S``
+and ``dP``.  This kernel does the five of the FlashAttention convention:
+the dK/dV loop also forms each step's dQ contribution ``dS K`` and adds it
+into a float32 dQ accumulator in global memory.  The adds stay
+deterministic because their order is fixed: for every (batch row, head,
+query tile) a global semaphore counts the adds done so far, and the CTA of
+key block ``j`` adds only once the count equals its rank, the number of
+key blocks before ``j`` that visit that tile.  The first contributor stores
+instead of adding, so the accumulator needs no zero fill; query tiles that
+no key block visits are zeroed by the caller.
+
+One CTA per (key/value head, ``2 * block_kv`` keys, batch row), four
+warpgroups:
+
+* two consumers, each holding dK and dV of its ``block_kv`` keys in
+  registers, as in the two-pass dK/dV kernel.  Each also writes its ``dS``
+  tile to shared memory; at step ``i`` consumer ``i % 2`` multiplies both
+  ``dS`` tiles by both K tiles into the CTA's dQ contribution and stages it
+  in shared memory;
+* a producer streaming Q, dO and the row statistics;
+* a writer that, for each staged contribution, waits for its turn on the
+  tile's semaphore, adds it with a TMA reduction, waits for the write and
+  signals the next contributor.
+
+Ordering needs CTAs to start in grid order (key block ``j`` after every
+block before it, for the same batch row and head), which is how Hopper
+dispatches a grid; a CTA only ever waits for CTAs that started before it.
+Head dims up to 128 (dK, dV and the dQ contribution do not all fit in a
+consumer's registers at 256).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jflash import masks
+from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu.backward import _optional, _probabilities
+from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
+                                               broadcast_cols, broadcast_rows)
+
+Array = jax.Array
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+# Four warpgroups share the 64K registers of an SM: (2 * 216 + 2 * 40) * 128
+# = 65536.
+_CONSUMER_REGISTERS = 216
+_SMALL_REGISTERS = 40
+
+_F32_TILING = plgpu.TilingTransform((8, 32))
+
+
+def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
+                        stats: Array, *, q_order: Array, q_count: Array,
+                        classes: Array, ranks: Array,
+                        q_lengths: Array | None, kv_lengths: Array | None,
+                        q_segments: Array | None, kv_segments: Array | None,
+                        spec: MaskSpec, logits: LogitTransform, block_q: int,
+                        block_kv: int,
+                        stages: int) -> tuple[Array, Array, Array]:
+  """dQ (unscaled, float32), dK and dV on padded inputs.
+
+  Args:
+    q, do: ``[B, Tp, N, Hp]``; k, v: ``[B, Sp, K, Hp]``, ``Hp`` 64 or 128.
+    stats: float32 ``[B, N, 2, Tp]``: base-2 logsumexp (``+inf`` for rows
+      that see nothing) and ``delta``.
+    q_order, q_count, classes: the dK/dV schedule at ``2 * block_kv`` keys
+      per CTA, as for
+      :func:`~jflash.backends.mosaic_gpu.backward.dkv_kernel_call`.
+    ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
+      ``q_order``, how many key blocks before this one visit the same query
+      tile.
+
+  Returns:
+    ``dq_sum [B, Tp, N, Hp]`` float32, the sum of ``dS K`` over visiting key
+    blocks (times ``scale`` it is dQ; rows of query tiles that no key block
+    visits are left unwritten), and ``dk``, ``dv`` ``[B, Sp, K, Hp]`` in the
+    input dtype.
+  """
+  batch, q_pad, num_heads, head_dim = q.shape
+  kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+  if head_dim > 128:
+    raise ValueError(f"the fused backward serves head dims up to 128, got "
+                     f"{head_dim}")
+  group = num_heads // num_kv_heads
+  num_q_tiles = q_pad // block_q
+  dtype = q.dtype
+  tile = (block_kv, block_q)  # transposed: keys are the rows here
+  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            q_segments=q_segments, kv_segments=kv_segments)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+             class_ref, rank_ref, *rest):
+    named = dict(zip(names, rest[:len(names)]))
+    dq_ref, dk_ref, dv_ref = rest[len(names):]
+    b = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    kv_block = lax.axis_index("kv_seq")
+    wg = lax.axis_index("wg")
+    count, tile_at = common.schedule_row(order_ref, count_ref, b, kv_block)
+    steps = count * group
+    q_length = common.scalar_or_none(named.get("q_lengths"), b)
+    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+    q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
+    turns = pl.get_global(plgpu.SemaphoreType.REGULAR(
+        (batch * num_heads * num_q_tiles,)))
+
+    def head_and_tile(i):
+      # Step i visits query head kv_head * group + i // count, tile i % count.
+      return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
+
+    def body(k_smem2, v_smem2, kvseg_smem2, q_smem, do_smem, stats_smem,
+             qseg_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
+             stats_ready, qseg_ready, q_free, do_free, ds_ready, ds_free,
+             dq_ready, dq_free):
+
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        kv_base = (kv_block * 2 + wg) * block_kv
+        rows = pl.ds(kv_base, block_kv)
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem,
+                                kv_ready.at[3 * wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem,
+                                kv_ready.at[3 * wg + 1])
+        kv_seg = None
+        if kv_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kvseg_smem2.at[wg],
+                                  kv_ready.at[3 * wg + 2])
+          plgpu.barrier_wait(kv_ready.at[3 * wg + 2])
+          kv_seg = broadcast_rows(
+              plgpu.load(kvseg_smem2.at[wg], layout=_ROW), tile)
+        plgpu.barrier_wait(kv_ready.at[3 * wg])
+        plgpu.barrier_wait(kv_ready.at[3 * wg + 1])
+        # The dQ products read both consumers' K tiles.
+        plgpu.barrier_wait(kv_ready.at[3 * (1 - wg)])
+
+        def step(i, carry):
+          dk, dv = carry
+          slot = lax.rem(i, stages)
+          # dS slot, and the consumer that forms this step's dQ product.
+          turn = lax.rem(i, 2)
+          full = class_ref[b, kv_block, lax.rem(i, count), wg] == masks.FULL
+          plgpu.barrier_wait(q_ready.at[slot])
+          plgpu.barrier_wait(stats_ready.at[slot])
+          q_seg = None
+          if q_seg_ref is not None:
+            plgpu.barrier_wait(qseg_ready.at[slot])
+            q_seg = broadcast_cols(
+                plgpu.load(qseg_smem.at[slot], layout=_COL), tile)
+          lse2 = broadcast_cols(
+              plgpu.load(stats_smem.at[slot, 0], layout=_COL), tile)
+          delta = broadcast_cols(
+              plgpu.load(stats_smem.at[slot, 1], layout=_COL), tile)
+
+          def kq_product(acc_ref):
+            plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
+
+          def masked(s):
+            _, q_tile = head_and_tile(i)
+            return spec.mask_tile(s, row_start=kv_base, col_tile=q_tile,
+                                  col_block=block_q, rows_are_queries=False,
+                                  q_length=q_length, kv_length=kv_length,
+                                  q_seg=q_seg, kv_seg=kv_seg)
+          p, derivative = _probabilities(qk, logits, full, masked, lse2)
+          plgpu.barrier_wait(do_ready.at[slot])
+
+          def dp_product(acc_ref):
+            plgpu.wgmma(acc_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+          ds = p * (dp - delta)
+          if derivative is not None:
+            ds = ds * derivative
+
+          # The dS slot is free once the dQ product of step i - 2 read it.
+          @pl.when(i >= 2)
+          def _():
+            plgpu.barrier_wait(ds_free.at[turn])
+
+          def dv_dk_products(refs):
+            dv_ref, dk_ref = refs
+            plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+            ds_low = ds.astype(dtype)
+            ds_smem.at[turn, wg][...] = ds_low
+            plgpu.wgmma(dk_ref, ds_low, q_smem.at[slot])
+          dv, dk = pl.run_state(dv_dk_products)(
+              (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_ready.at[turn])
+          plgpu.barrier_arrive(do_free.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+
+          # Both consumers wait for the writer to release the staging
+          # buffer, so that each sees every phase of the barrier.
+          @pl.when(i >= 1)
+          def _():
+            plgpu.barrier_wait(dq_free)
+
+          @pl.when(wg == turn)
+          def _dq_contribution():
+            plgpu.barrier_wait(ds_ready.at[turn])
+
+            def dq_product(acc_ref):
+              for w in range(2):
+                plgpu.wgmma(acc_ref, ds_smem.at[turn, w].transpose((1, 0)),
+                            k_smem2.at[w])
+              return acc_ref[...]
+            contribution = pl.run_scoped(
+                dq_product, plgpu.ACC((block_q, head_dim), jnp.float32))
+            plgpu.barrier_arrive(ds_free.at[turn])
+            dq_smem[...] = contribution
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(dq_ready)
+          return dk, dv
+
+        zeros = lambda: plgpu.layout_cast(  # noqa: E731
+            jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, steps, step, (zeros(), zeros()))
+
+        # The last dQ products read both K tiles: wait for them before K's
+        # buffer takes dK.
+        for back in (1, 2):
+          @pl.when(steps >= back)
+          def _():
+            plgpu.barrier_wait(ds_free.at[lax.rem(steps - back, 2)])
+        k_smem[...] = (dk * logits.scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, kv_head])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(_SMALL_REGISTERS, action="decrease")
+
+        @pl.loop(0, steps)
+        def _load(i):
+          slot = lax.rem(i, stages)
+          head, q_tile = head_and_tile(i)
+          rows = pl.ds(q_tile * block_q, block_q)
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(q_free.at[slot])
+          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot],
+                                  q_ready.at[slot])
+          plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
+                                  stats_smem.at[slot], stats_ready.at[slot])
+          if q_seg_ref is not None:
+            plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem.at[slot],
+                                    qseg_ready.at[slot])
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(do_free.at[slot])
+          plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot],
+                                  do_ready.at[slot])
+
+      @pl.when(wg == 3)
+      def _writer():
+        plgpu.set_max_registers(_SMALL_REGISTERS, action="decrease")
+
+        @pl.loop(0, steps)
+        def _add(i):
+          head, q_tile = head_and_tile(i)
+          rank = rank_ref[b, kv_block, lax.rem(i, count)]
+          turn = turns.at[(b * num_heads + head) * num_q_tiles + q_tile]
+          target = dq_ref.at[b, pl.ds(q_tile * block_q, block_q), head]
+          plgpu.barrier_wait(dq_ready)
+          plgpu.semaphore_wait(turn, rank, decrement=False,
+                               memory_scope="gpu")
+
+          @pl.when(rank == 0)
+          def _():
+            plgpu.copy_smem_to_gmem(dq_smem, target)
+
+          @pl.when(rank > 0)
+          def _():
+            plgpu.copy_smem_to_gmem(dq_smem, target, reduction_op="add")
+          plgpu.wait_smem_to_gmem(0)
+          plgpu.semaphore_signal(turn, 1, memory_scope="gpu")
+          plgpu.barrier_arrive(dq_free)
+
+    segments = spec.has_segments
+    pl.run_scoped(
+        body,
+        common.smem_tile((2, block_kv, head_dim), dtype),
+        common.smem_tile((2, block_kv, head_dim), dtype),
+        plgpu.SMEM((2, block_kv), jnp.int32) if segments else None,
+        common.smem_tile((stages, block_q, head_dim), dtype),
+        common.smem_tile((stages, block_q, head_dim), dtype),
+        plgpu.SMEM((stages, 2, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
+        common.smem_tile((2, 2, block_kv, block_q), dtype),
+        plgpu.SMEM((block_q, head_dim), jnp.float32,
+                   transforms=(_F32_TILING, common.SWIZZLE)),
+        plgpu.Barrier(num_barriers=6),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages) if segments else None,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+        collective_axes="wg",
+    )
+
+  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), kv_type, kv_type),
+      grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=4,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v, do, stats, q_order, q_count, classes, ranks, *extras)
