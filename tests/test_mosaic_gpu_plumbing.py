@@ -41,9 +41,10 @@ def test_fused_backward_rejects_head_dim_256():
 
 
 def test_fused_backward_ranks_order_every_query_tile():
-  """For each query tile, the key blocks visiting it get ranks 0, 1, 2, ...
-  in key-block order, and the visited flags mark exactly the query tiles
-  some key block visits."""
+  """Each key block visits its query tiles in decreasing order; for each
+  query tile, the key blocks visiting it get ranks 0, 1, 2, ... in
+  key-block order; the visited flags mark exactly the query tiles some key
+  block visits."""
   rng = _rng()
   batch, t, s = 2, 333, 300
   mask = masks.AttentionMask(
@@ -63,6 +64,8 @@ def test_fused_backward_ranks_order_every_query_tile():
   for b in range(batch):
     seen = {}
     for j in range(order.shape[1]):  # key blocks in grid order
+      visiting = order[b, j, :count[b, j]]
+      assert np.all(np.diff(visiting) < 0)  # decreasing query tiles
       for step in range(count[b, j]):
         q_tile = order[b, j, step]
         assert ranks[b, j, step] == seen.get(q_tile, 0)
@@ -189,11 +192,13 @@ def test_schedule_covers_every_visible_pair():
 
 
 @pytest.mark.parametrize("make,keys_per_cta", [("_keys_metadata", 2),
-                                               ("_shared_keys_metadata", 1)])
+                                               ("_shared_keys_metadata", 1),
+                                               ("_fused_keys_metadata", 2)])
 def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
-  """The dK/dV CTA schedules (each consumer with its own keys, or both on
-  the same keys) visit every query tile holding a visible pair, and a tile
-  a consumer treats as FULL has every pair visible."""
+  """The dK/dV CTA schedules (each consumer with its own keys, both on the
+  same keys, or the fused backward's decreasing order) visit every query
+  tile holding a visible pair, and a tile a consumer treats as FULL has
+  every pair visible."""
   rng = _rng()
   batch, t, s = 2, 300, 333
   mask = masks.AttentionMask(
@@ -207,7 +212,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
   bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
   pads = mosaic_gpu._padding(mask, plan)
   order, count, classes = map(np.asarray, getattr(mosaic_gpu, make)(
-      mask, bq, bk, pads))
+      mask, bq, bk, pads)[:3])
   assert order.shape[1] * keys_per_cta * bk == pads.kv_pad
   visible = np.asarray(mask.visibility())[:, 0]
   for b in range(batch):

@@ -201,11 +201,21 @@ def _shared_keys_metadata(mask, block_q, block_kv, pads):
 
 
 def _fused_keys_metadata(mask, block_q, block_kv, pads):
-  """The dK/dV metadata plus, for the fused backward, the rank of each
-  step's query tile among the key blocks visiting it (``[B, Sp / (2
-  block_kv), Tp / block_q]``) and which query tiles any key block visits
-  (``[B, Tp / block_q]``)."""
-  order, count, classes = _keys_metadata(mask, block_q, block_kv, pads)
+  """The fused backward's metadata: the dK/dV schedule with each key
+  block's query tiles in decreasing order, the rank of each step's query
+  tile among the key blocks visiting it (``[B, Sp / (2 block_kv), Tp /
+  block_q]``), and which query tiles any key block visits (``[B, Tp /
+  block_q]``)."""
+  order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
+  # Nonempty query tiles in decreasing order: under a causal mask every key
+  # block then starts on the last tile, and a tile's contributors come one
+  # right after another.
+  steps = jnp.arange(order.shape[2])
+  backwards = jnp.where(steps < count[..., None], count[..., None] - 1 - steps,
+                        steps)
+  order = jnp.take_along_axis(order, backwards, axis=2)
+  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
+  classes = _classes_per_step(classes, order)
   visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
   visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // (2 * block_kv)).astype(jnp.int32)

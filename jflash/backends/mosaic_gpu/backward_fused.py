@@ -22,12 +22,18 @@ warpgroups:
   in shared memory;
 * a producer streaming Q, dO and the row statistics;
 * a writer that, for each staged contribution, waits for its turn on the
-  tile's semaphore, adds it with a TMA reduction, waits for the write and
-  signals the next contributor.
+  tile's semaphore and adds it with a TMA reduction.  It releases the
+  staging buffer as soon as the copy has read it, and signals the next
+  contributor once the add has reached global memory (checked one step
+  later, so that adds overlap).
 
 Ordering needs CTAs to start in grid order (key block ``j`` after every
 block before it, for the same batch row and head), which is how Hopper
 dispatches a grid; a CTA only ever waits for CTAs that started before it.
+Each CTA visits its query tiles in decreasing order, so that under a
+causal mask every key block starts on the last query tile and the
+contributors to a tile arrive one right after another, rather than key
+block ``j`` waiting for block 0 to reach tile ``j``.
 Head dims up to 128 (dK, dV and the dQ contribution do not all fit in a
 consumer's registers at 256).
 """
@@ -51,10 +57,10 @@ Array = jax.Array
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
 
-# Four warpgroups share the 64K registers of an SM: (2 * 216 + 2 * 40) * 128
-# = 65536.
-_CONSUMER_REGISTERS = 216
-_SMALL_REGISTERS = 40
+# Four warpgroups share the 64K registers of an SM: (2 * 224 + 2 * 32) * 128
+# = 65536.  The producer and the writer only compute addresses.
+_CONSUMER_REGISTERS = 224
+_SMALL_REGISTERS = 32
 
 _F32_TILING = plgpu.TilingTransform((8, 32))
 
@@ -274,14 +280,17 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       def _writer():
         plgpu.set_max_registers(_SMALL_REGISTERS, action="decrease")
 
+        def turn_of(i):
+          head, q_tile = head_and_tile(i)
+          return turns.at[(b * num_heads + head) * num_q_tiles + q_tile]
+
         @pl.loop(0, steps)
         def _add(i):
           head, q_tile = head_and_tile(i)
           rank = rank_ref[b, kv_block, lax.rem(i, count)]
-          turn = turns.at[(b * num_heads + head) * num_q_tiles + q_tile]
           target = dq_ref.at[b, pl.ds(q_tile * block_q, block_q), head]
           plgpu.barrier_wait(dq_ready)
-          plgpu.semaphore_wait(turn, rank, decrement=False,
+          plgpu.semaphore_wait(turn_of(i), rank, decrement=False,
                                memory_scope="gpu")
 
           @pl.when(rank == 0)
@@ -291,9 +300,22 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           @pl.when(rank > 0)
           def _():
             plgpu.copy_smem_to_gmem(dq_smem, target, reduction_op="add")
-          plgpu.wait_smem_to_gmem(0)
-          plgpu.semaphore_signal(turn, 1, memory_scope="gpu")
+          # The staging buffer is free once read; the consumers go on while
+          # the add travels to global memory.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           plgpu.barrier_arrive(dq_free)
+
+          # The previous step's add is complete once at most this one is in
+          # flight: only then may the next key block add to its tile.
+          @pl.when(i > 0)
+          def _():
+            plgpu.wait_smem_to_gmem(1)
+            plgpu.semaphore_signal(turn_of(i - 1), 1, memory_scope="gpu")
+
+        @pl.when(steps > 0)
+        def _():
+          plgpu.wait_smem_to_gmem(0)
+          plgpu.semaphore_signal(turn_of(steps - 1), 1, memory_scope="gpu")
 
     segments = spec.has_segments
     pl.run_scoped(
