@@ -26,22 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from benchmarks.timing import TimerConfig, time_function
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
 
 _CELLS = ((128, 16384, False), (128, 4096, True), (128, 16384, True),
           (64, 4096, False))
 
 
-def _time(fn, args, calls=10, repeats=5) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      result = fn(*args)
-    jax.block_until_ready(result)
-    times.append((time.perf_counter() - start) / calls)
-  return float(np.median(times))
+def _time(fn, args) -> float:
+  """Seconds per call, enqueueing calls and blocking once (median)."""
+  return time_function(fn, [args], TimerConfig())["ms"] * 1e-3
 
 
 def _rel(x, y) -> float:

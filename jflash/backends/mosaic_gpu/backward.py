@@ -21,6 +21,9 @@ and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -54,6 +57,104 @@ def _probabilities(qk: Array, logits: LogitTransform, full: Array, masked,
   s = logits(qk)
   p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
   return p, logits.derivative(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryRing:
+  """The shared-memory ring through which a producer streams query tiles
+  (Q, dO, the row statistics and optionally segment ids) to the consumers
+  of a key-block kernel, with its ready/free barriers (each indexed by
+  slot)."""
+
+  q: Any
+  do: Any
+  stats: Any
+  segments: Any  # None without segment ids
+  q_ready: Any
+  do_ready: Any
+  stats_ready: Any
+  segments_ready: Any
+  q_free: Any
+  do_free: Any
+
+  def stream(self, steps, head_and_tile, *, stages: int, block_q: int, b,
+             q_ref, do_ref, stats_ref, q_seg_ref) -> None:
+    """Producer loop: step ``i`` copies query tile ``head_and_tile(i)`` into
+    slot ``i % stages`` once the consumers freed it."""
+
+    @pl.loop(0, steps)
+    def _load(i):
+      slot = lax.rem(i, stages)
+      head, q_tile = head_and_tile(i)
+      rows = pl.ds(q_tile * block_q, block_q)
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(self.q_free.at[slot])
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], self.q.at[slot],
+                              self.q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
+                              self.stats.at[slot], self.stats_ready.at[slot])
+      if q_seg_ref is not None:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], self.segments.at[slot],
+                                self.segments_ready.at[slot])
+
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(self.do_free.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], self.do.at[slot],
+                              self.do_ready.at[slot])
+
+  def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
+             logits: LogitTransform, full, mask, want_dp: bool):
+    """A consumer's first half of a step on slot ``slot``: the transposed
+    probabilities ``P^T = exp2(K Q^T (scaled) - lse2)`` of its keys
+    (``mask(s, q_seg)`` applied unless ``full``), the soft cap's derivative
+    (or None), ``dP^T = V dO^T`` (None unless ``want_dp``) and ``delta``
+    broadcast over the tile.  Leaves dO waited for; frees nothing."""
+    plgpu.barrier_wait(self.q_ready.at[slot])
+    plgpu.barrier_wait(self.stats_ready.at[slot])
+    q_seg = None
+    if self.segments is not None:
+      plgpu.barrier_wait(self.segments_ready.at[slot])
+      q_seg = broadcast_cols(
+          plgpu.load(self.segments.at[slot], layout=_COL), tile)
+    lse2 = broadcast_cols(
+        plgpu.load(self.stats.at[slot, 0], layout=_COL), tile)
+    delta = broadcast_cols(
+        plgpu.load(self.stats.at[slot, 1], layout=_COL), tile)
+
+    def kq_product(acc_ref):
+      plgpu.wgmma(acc_ref, k_smem, self.q.at[slot].transpose((1, 0)))
+      return acc_ref[...]
+    qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
+    p, derivative = _probabilities(qk, logits, full,
+                                   lambda s: mask(s, q_seg), lse2)
+    plgpu.barrier_wait(self.do_ready.at[slot])
+    dp = None
+    if want_dp:
+      def dp_product(acc_ref):
+        plgpu.wgmma(acc_ref, v_smem, self.do.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+      dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+    return p, derivative, dp, delta
+
+
+def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
+                       segments: bool) -> list:
+  """Scratch for :class:`QueryRing`, in its field order."""
+  return [
+      common.smem_tile((stages, block_q, head_dim), dtype),
+      common.smem_tile((stages, block_q, head_dim), dtype),
+      plgpu.SMEM((stages, 2, block_q), jnp.float32),
+      plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages) if segments else None,
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  ]
 
 
 def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
@@ -266,9 +367,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       # Step i visits query head kv_head * group + i // count, tile i % count.
       return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
 
-    def body(k_smem2, v_smem2, kvseg_smem2, q_smem, do_smem, stats_smem,
-             qseg_smem, kv_ready, q_ready, do_ready, stats_ready, qseg_ready,
-             q_free, do_free, consumers_done):
+    def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
+      ring, consumers_done = QueryRing(*rest[:-1]), rest[-1]
 
       def consume(want_dk: bool, want_dv: bool, buffer):
         """One consumer's loop over the steps, accumulating the wanted
@@ -288,37 +388,16 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           dk, dv = carry
           slot = lax.rem(i, stages)
           full = class_ref[b, kv_block, lax.rem(i, count), wg] == masks.FULL
-          plgpu.barrier_wait(q_ready.at[slot])
-          plgpu.barrier_wait(stats_ready.at[slot])
-          q_seg = None
-          if q_seg_ref is not None:
-            plgpu.barrier_wait(qseg_ready.at[slot])
-            q_seg = broadcast_cols(
-                plgpu.load(qseg_smem.at[slot], layout=_COL), tile)
-          lse2 = broadcast_cols(
-              plgpu.load(stats_smem.at[slot, 0], layout=_COL), tile)
-          delta = broadcast_cols(
-              plgpu.load(stats_smem.at[slot, 1], layout=_COL), tile)
 
-          def kq_product(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
-
-          def masked(s):
+          def mask(s, q_seg):
             _, q_tile = head_and_tile(i)
             return spec.mask_tile(s, row_start=kv_base, col_tile=q_tile,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p, derivative = _probabilities(qk, logits, full, masked, lse2)
-          plgpu.barrier_wait(do_ready.at[slot])
-
-          if want_dk:
-            def dp_product(acc_ref):
-              plgpu.wgmma(acc_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-              return acc_ref[...]
-            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+          p, derivative, dp, delta = ring.scores(
+              slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
+              full=full, mask=mask, want_dp=want_dk)
 
           def ds_of(p):
             ds = p * (dp - delta)
@@ -327,21 +406,21 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           if want_dv and want_dk:
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs
-              plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+              plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
               # dS while the tensor cores compute dV.
-              plgpu.wgmma(dk_ref, ds_of(p).astype(dtype), q_smem.at[slot])
+              plgpu.wgmma(dk_ref, ds_of(p).astype(dtype), ring.q.at[slot])
             dv, dk = pl.run_state(dv_dk_products)(
                 (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           elif want_dv:
             def dv_product(acc_ref):
-              plgpu.wgmma(acc_ref, p.astype(dtype), do_smem.at[slot])
+              plgpu.wgmma(acc_ref, p.astype(dtype), ring.do.at[slot])
             dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
           else:
             def dk_product(acc_ref):
-              plgpu.wgmma(acc_ref, ds_of(p).astype(dtype), q_smem.at[slot])
+              plgpu.wgmma(acc_ref, ds_of(p).astype(dtype), ring.q.at[slot])
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
-          plgpu.barrier_arrive(do_free.at[slot])
-          plgpu.barrier_arrive(q_free.at[slot])
+          plgpu.barrier_arrive(ring.do_free.at[slot])
+          plgpu.barrier_arrive(ring.q_free.at[slot])
           return dk, dv
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
@@ -393,29 +472,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       def _producer():
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
-
-        @pl.loop(0, steps)
-        def _load(i):
-          slot = lax.rem(i, stages)
-          head, q_tile = head_and_tile(i)
-          rows = pl.ds(q_tile * block_q, block_q)
-
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(q_free.at[slot])
-          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot],
-                                  q_ready.at[slot])
-          plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
-                                  stats_smem.at[slot], stats_ready.at[slot])
-          if q_seg_ref is not None:
-            plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem.at[slot],
-                                    qseg_ready.at[slot])
-
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(do_free.at[slot])
-          plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot],
-                                  do_ready.at[slot])
+        ring.stream(steps, head_and_tile, stages=stages, block_q=block_q, b=b,
+                    q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
+                    q_seg_ref=q_seg_ref)
 
     segments = spec.has_segments
     pl.run_scoped(
@@ -423,17 +482,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         common.smem_tile((key_buffers, block_kv, head_dim), dtype),
         common.smem_tile((key_buffers, block_kv, head_dim), dtype),
         plgpu.SMEM((key_buffers, block_kv), jnp.int32) if segments else None,
-        common.smem_tile((stages, block_q, head_dim), dtype),
-        common.smem_tile((stages, block_q, head_dim), dtype),
-        plgpu.SMEM((stages, 2, block_q), jnp.float32),
-        plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
         plgpu.Barrier(num_barriers=6),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages) if segments else None,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )

@@ -48,14 +48,14 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.backward import _optional, _probabilities
+from jflash.backends.mosaic_gpu.backward import (QueryRing, _optional,
+                                                 query_ring_scratch)
 from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
-                                               broadcast_cols, broadcast_rows)
+                                               broadcast_rows)
 
 Array = jax.Array
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
 
 # Four warpgroups share the 64K registers of an SM: (2 * 224 + 2 * 32) * 128
 # = 65536.  The producer and the writer only compute addresses.
@@ -124,10 +124,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       # Step i visits query head kv_head * group + i // count, tile i % count.
       return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
 
-    def body(k_smem2, v_smem2, kvseg_smem2, q_smem, do_smem, stats_smem,
-             qseg_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
-             stats_ready, qseg_ready, q_free, do_free, ds_ready, ds_free,
-             dq_ready, dq_free):
+    def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
+      ring = QueryRing(*rest[:10])
+      ds_smem, dq_smem, ds_ready, ds_free, dq_ready, dq_free = rest[10:]
 
       @pl.when(wg < 2)
       def _consumer():
@@ -157,36 +156,16 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           # dS slot, and the consumer that forms this step's dQ product.
           turn = lax.rem(i, 2)
           full = class_ref[b, kv_block, lax.rem(i, count), wg] == masks.FULL
-          plgpu.barrier_wait(q_ready.at[slot])
-          plgpu.barrier_wait(stats_ready.at[slot])
-          q_seg = None
-          if q_seg_ref is not None:
-            plgpu.barrier_wait(qseg_ready.at[slot])
-            q_seg = broadcast_cols(
-                plgpu.load(qseg_smem.at[slot], layout=_COL), tile)
-          lse2 = broadcast_cols(
-              plgpu.load(stats_smem.at[slot, 0], layout=_COL), tile)
-          delta = broadcast_cols(
-              plgpu.load(stats_smem.at[slot, 1], layout=_COL), tile)
 
-          def kq_product(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
-
-          def masked(s):
+          def mask(s, q_seg):
             _, q_tile = head_and_tile(i)
             return spec.mask_tile(s, row_start=kv_base, col_tile=q_tile,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p, derivative = _probabilities(qk, logits, full, masked, lse2)
-          plgpu.barrier_wait(do_ready.at[slot])
-
-          def dp_product(acc_ref):
-            plgpu.wgmma(acc_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+          p, derivative, dp, delta = ring.scores(
+              slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
+              full=full, mask=mask, want_dp=True)
           ds = p * (dp - delta)
           if derivative is not None:
             ds = ds * derivative
@@ -198,16 +177,16 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
 
           def dv_dk_products(refs):
             dv_ref, dk_ref = refs
-            plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+            plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
             ds_low = ds.astype(dtype)
             ds_smem.at[turn, wg][...] = ds_low
-            plgpu.wgmma(dk_ref, ds_low, q_smem.at[slot])
+            plgpu.wgmma(dk_ref, ds_low, ring.q.at[slot])
           dv, dk = pl.run_state(dv_dk_products)(
               (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           plgpu.commit_smem()
           plgpu.barrier_arrive(ds_ready.at[turn])
-          plgpu.barrier_arrive(do_free.at[slot])
-          plgpu.barrier_arrive(q_free.at[slot])
+          plgpu.barrier_arrive(ring.do_free.at[slot])
+          plgpu.barrier_arrive(ring.q_free.at[slot])
 
           # Both consumers wait for the writer to release the staging
           # buffer, so that each sees every phase of the barrier.
@@ -252,29 +231,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(_SMALL_REGISTERS, action="decrease")
-
-        @pl.loop(0, steps)
-        def _load(i):
-          slot = lax.rem(i, stages)
-          head, q_tile = head_and_tile(i)
-          rows = pl.ds(q_tile * block_q, block_q)
-
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(q_free.at[slot])
-          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot],
-                                  q_ready.at[slot])
-          plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
-                                  stats_smem.at[slot], stats_ready.at[slot])
-          if q_seg_ref is not None:
-            plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem.at[slot],
-                                    qseg_ready.at[slot])
-
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(do_free.at[slot])
-          plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot],
-                                  do_ready.at[slot])
+        ring.stream(steps, head_and_tile, stages=stages, block_q=block_q, b=b,
+                    q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
+                    q_seg_ref=q_seg_ref)
 
       @pl.when(wg == 3)
       def _writer():
@@ -323,20 +282,11 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         common.smem_tile((2, block_kv, head_dim), dtype),
         common.smem_tile((2, block_kv, head_dim), dtype),
         plgpu.SMEM((2, block_kv), jnp.int32) if segments else None,
-        common.smem_tile((stages, block_q, head_dim), dtype),
-        common.smem_tile((stages, block_q, head_dim), dtype),
-        plgpu.SMEM((stages, 2, block_q), jnp.float32),
-        plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
+        plgpu.Barrier(num_barriers=6),
+        *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
         common.smem_tile((2, 2, block_kv, block_q), dtype),
         plgpu.SMEM((block_q, head_dim), jnp.float32,
                    transforms=(_F32_TILING, common.SWIZZLE)),
-        plgpu.Barrier(num_barriers=6),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages) if segments else None,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(),
