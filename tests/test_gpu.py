@@ -12,9 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import jflash
 from tests import conformance
-from tests._support import random_normal
+from tests._support import random_normal, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -133,3 +136,40 @@ class TestDefaultGpu(conformance.AttentionConformance):
   """``implementation=None`` on the GPU: every call is served exactly."""
 
   implementation = None
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("axis", [0, 2], ids=["batch", "heads"])
+def test_mosaic_gpu_explicitly_sharded_inputs_on_two_gpus(axis):
+  """Inputs sharded over batch or heads (an Explicit mesh of 2 GPUs) run
+  the kernels per shard: the numbers of one device (up to the rounding of
+  the XLA glue), the input sharding kept, and no collective in the
+  compiled program."""
+  rng, seed = conformance.new_rng()
+  b, t, n, k, h = 2, 300, 4, 2, 128
+  q = random_normal(rng, (b, t, n, h), jnp.bfloat16)
+  key = random_normal(rng, (b, t, k, h), jnp.bfloat16)
+  value = random_normal(rng, (b, t, k, h), jnp.bfloat16)
+  cot = random_normal(rng, (b, t, n, h), jnp.bfloat16)
+
+  def loss(q, key, value, cot):
+    out, vjp = jax.vjp(lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic_gpu"), q, key, value)
+    return out, vjp(cot)
+
+  spec = [None] * 4
+  spec[axis] = "x"
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+  sharding = NamedSharding(mesh, P(*spec))
+  fn = jax.jit(loss)
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(x, sharding) for x in (q, key, value, cot)]
+    out, grads = fn(*args)
+    hlo = fn.lower(*args).compile().as_text()
+  want_out, want_grads = jax.jit(loss)(q, key, value, cot)
+  for got, want in zip((out, *grads), (want_out, *want_grads)):
+    assert rel_err(got, want) < 1e-3, f"seed={seed}"
+    assert got.sharding.is_equivalent_to(sharding, 4)
+  for collective in ("all-gather", "all-reduce", "all-to-all",
+                     "collective-permute"):
+    assert collective not in hlo
