@@ -135,8 +135,17 @@ def _tokamax(cell: Cell) -> Attend:
   return attend
 
 
-def _jflash_backend_name(text: str) -> str | None:
-  return None if text in ("", "default", "none", "None") else text
+def _jflash_backend_name(text: str):
+  """The ``implementation=`` value for ``jflash:<text>``: a backend name,
+  None for jflash's own choice, or ``mosaic_gpu_fused`` (the Hopper kernels
+  with ``MosaicGpuConfig(fuse_dq=True)``)."""
+  if text in ("", "default", "none", "None"):
+    return None
+  if text == "mosaic_gpu_fused":
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(fuse_dq=True),
+                            name="mosaic_gpu_fused")
+  return text
 
 
 def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
@@ -144,7 +153,8 @@ def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
   """The implementations named in ``names``.
 
   Names: ``jflash`` (backend ``jflash_impl``; ``default`` lets jflash
-  choose), ``jflash:<backend>`` for a specific backend, ``jax_nn_cudnn``,
+  choose), ``jflash:<backend>`` for a specific backend (or
+  ``jflash:mosaic_gpu_fused``, the one-pass backward), ``jax_nn_cudnn``,
   ``jax_nn_xla``, ``tokamax``.
   """
   impls = []
@@ -152,9 +162,10 @@ def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
     if name == "jflash" or name.startswith("jflash:"):
       backend = _jflash_backend_name(
           name.partition(":")[2] if ":" in name else jflash_impl)
+      shown = getattr(backend, "name", backend)
       impls.append(Impl(name, _jflash(backend),
                         f"jflash.dot_product_attention(implementation="
-                        f"{backend!r})"))
+                        f"{shown!r})"))
     elif name in ("jax_nn_cudnn", "jax_nn_xla"):
       which = name.rpartition("_")[2]
       impls.append(Impl(name, _jax_nn(which, max_logits_gib),

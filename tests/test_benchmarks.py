@@ -173,3 +173,12 @@ def test_xprof_placeholder_only_fills_missing_modules():
                         env=dict(os.environ, PYTHONPATH=root))
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.strip() == "raised"
+
+
+def test_fused_backward_column_uses_the_fused_config():
+  (impl,) = impls.make_impls(["jflash:mosaic_gpu_fused"])
+  assert "mosaic_gpu_fused" in impl.note
+  backend = impls._jflash_backend_name("mosaic_gpu_fused")
+  assert backend.config.fuse_dq is True
+  assert impls._jflash_backend_name("default") is None
+  assert impls._jflash_backend_name("xla") == "xla"
