@@ -80,6 +80,16 @@ class TestMosaicGpuFusedBackward(TestMosaicGpu):
     super().check_case(case, dtype, seed)
 
 
+class TestMosaicGpuOverlappedForward(TestMosaicGpu):
+  """The forward with ``MosaicGpuConfig(overlap_qk=True)``: each step's
+  ``Q K^T`` issued with the previous ``P V``."""
+
+  @property
+  def implementation(self):
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(overlap_qk=True))
+
+
 def test_mosaic_gpu_writes_every_output_element():
   """Poisoned memory: the allocator's free blocks are filled with NaN right
   before the call, so any output or gradient element a kernel fails to

@@ -28,6 +28,7 @@ def _rng():
 @pytest.mark.parametrize("field,value", [("block_q", 96), ("block_kv", 0),
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
+                                         ("overlap_qk", "yes"),
                                          ("block_q_dq", 64.0)])
 def test_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=f"MosaicGpuConfig.{field}"):
@@ -75,6 +76,38 @@ def test_fused_backward_ranks_order_every_query_tile():
       assert visited[b, q_tile] == (q_tile in seen)
       if rows.any():
         assert q_tile in seen
+
+
+@pytest.mark.parametrize("head_dim,features", [
+    (128, dict(is_causal=True, lengths=True)),
+    (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),
+    (256, dict()),
+])
+def test_overlapped_forward_lowers_to_mosaic_gpu(head_dim, features):
+  """The forward with ``overlap_qk`` (two accumulators live, the newer
+  product awaited first) lowers for each head dim and mask feature."""
+  rng = _rng()
+  batch, t, heads, kv_heads = 2, 300, 4, 2
+  q = jax.ShapeDtypeStruct((batch, t, heads, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((batch, t, kv_heads, head_dim), jnp.bfloat16)
+  rules = dict(is_causal=features.get("is_causal", False),
+               window=features.get("window"))
+  if features.get("lengths"):
+    rules.update(q_lengths=jnp.asarray([300, 10], jnp.int32),
+                 kv_lengths=jnp.asarray([200, 300], jnp.int32))
+  if features.get("segments"):
+    ids = jnp.asarray(random_segments(rng, batch, t))
+    rules.update(q_segment_ids=ids, kv_segment_ids=ids)
+  mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=t, **rules)
+  plan = mosaic_gpu._Plan(
+      spec=MaskSpec.of(mask),
+      logits=LogitTransform(0.125, features.get("soft_cap")),
+      config=MosaicGpuConfig(overlap_qk=True).resolved(head_dim),
+      head_dim=head_dim)
+  text = jax.jit(lambda q, k, v: mosaic_gpu._attention(
+      q, k, v, mask, plan)).trace(q, kv, kv).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("head_dim,features", [

@@ -250,7 +250,8 @@ def _forward(q, k, v, mask, plan: _Plan):
   out, lse = forward.forward_kernel_call(
       qp, kp, vp, kv_order=order, kv_count=count, classes=classes,
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
-      block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
+      block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
+      overlap_qk=c.overlap_qk)
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 

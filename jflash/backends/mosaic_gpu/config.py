@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 
+_SWITCHES = ("overlap_qk", "fuse_dq")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuConfig:
   """Block sizes of the ``mosaic_gpu`` kernels.
@@ -28,6 +31,10 @@ class MosaicGpuConfig:
     stages_dq, stages_dkv: ring depths of the dQ and dK/dV passes (at
       least 1; 1 loads the next tile only after the current one is
       consumed).
+    overlap_qk: issue each forward step's ``Q K^T`` together with the
+      previous step's ``P V``, so that a consumer's softmax overlaps its own
+      matrix products as well as the other consumer's (FlashAttention-3's
+      intra-warpgroup pipelining).
     fuse_dq: form dQ inside the dK/dV pass, adding each key block's
       contribution into a float32 accumulator in a fixed order
       (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
@@ -43,6 +50,7 @@ class MosaicGpuConfig:
   block_kv_dkv: int | None = None
   stages_dq: int | None = None
   stages_dkv: int | None = None
+  overlap_qk: bool | None = None
   fuse_dq: bool | None = None
 
   def __post_init__(self):
@@ -50,10 +58,10 @@ class MosaicGpuConfig:
       value = getattr(self, field.name)
       if value is None:
         continue
-      if field.name == "fuse_dq":
+      if field.name in _SWITCHES:
         if not isinstance(value, bool):
-          raise ValueError(f"MosaicGpuConfig.fuse_dq must be a bool or None, "
-                           f"got {value!r}")
+          raise ValueError(f"MosaicGpuConfig.{field.name} must be a bool or "
+                           f"None, got {value!r}")
         continue
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"MosaicGpuConfig.{field.name} must be an int or "
@@ -86,13 +94,16 @@ class MosaicGpuConfig:
 _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                        stages_dq=2, stages_dkv=2, fuse_dq=False),
+                        stages_dq=2, stages_dkv=2, overlap_qk=False,
+                        fuse_dq=False),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=2, stages_dkv=2, fuse_dq=False),
+                         stages_dq=2, stages_dkv=2, overlap_qk=False,
+                         fuse_dq=False),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=1, stages_dkv=2, fuse_dq=False),
+                         stages_dq=1, stages_dkv=2, overlap_qk=False,
+                         fuse_dq=False),
 }
 
 

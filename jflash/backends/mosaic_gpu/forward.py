@@ -43,7 +43,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         q_lengths: Array | None, kv_lengths: Array | None,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
-                        block_kv: int, stages: int) -> tuple[Array, Array]:
+                        block_kv: int, stages: int,
+                        overlap_qk: bool = False) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -58,6 +59,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       ``block_q`` rows (read once per step, with no dependent lookup).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
+    overlap_qk: issue each step's ``Q K^T`` together with the previous
+      step's ``P V``, so that a consumer's softmax also overlaps its own
+      ``P V`` (FlashAttention-3's intra-warpgroup pipelining; see
+      :func:`_overlapped_steps`).
 
   Returns:
     ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
@@ -120,16 +125,19 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
         factor = logits.linear_factor
 
+        def kv_segments_at(slot):
+          if kv_seg_ref is None:
+            return None
+          plgpu.barrier_wait(kvseg_ready.at[slot])
+          return broadcast_cols(
+              plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+
         def step(i, carry):
           acc, m, l = carry
           slot = lax.rem(i, stages)
           full = class_ref[b, q_block, i, wg] == masks.FULL
           # K of this step was waited for during the previous step's P V.
-          kv_seg = None
-          if kv_seg_ref is not None:
-            plgpu.barrier_wait(kvseg_ready.at[slot])
-            kv_seg = broadcast_cols(
-                plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+          kv_seg = kv_segments_at(slot)
 
           def qk_product(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -184,7 +192,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         def _():
           plgpu.barrier_wait(k_ready.at[0])
         pl.when(wg == 1)(take_turn)
-        acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+        if overlap_qk:
+          acc, m, l = _overlapped_steps(
+              acc, m, l, count=count, stages=stages, tile=tile, dtype=dtype,
+              logits=logits, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
+              k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
+              take_turn=take_turn,
+              is_full=lambda i: class_ref[b, q_block, i, wg] == masks.FULL,
+              kv_segments_at=kv_segments_at,
+              masked=lambda s, i, kv_seg: masked(s, tile_at(i), kv_seg))
+        else:
+          acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
         pl.when(wg == 0)(take_turn)
 
         seen = l > 0
@@ -243,3 +261,103 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   return out, lse
 
 
+
+
+def _softmax_update(qk: Array, m: Array, l: Array, *, full, masked,
+                    logits: LogitTransform, dtype):
+  """One online-softmax update from the raw products ``qk``: the
+  probabilities in ``dtype``, the new row maximum, the factor that rescales
+  earlier sums to it, and the new row sum."""
+  tile = qk.shape
+  factor = logits.linear_factor
+  if factor is None:
+    s = lax.cond(full, lambda s: s, masked, logits(qk))
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.exp2(s - broadcast_rows(m_new, tile))
+  else:  # the maximum of the raw products; one FMA per exponent
+    qk = lax.cond(full, lambda s: s, masked, qk)
+    m_new = jnp.maximum(m, qk.max(axis=1) * factor)
+    p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
+  rescale = jnp.exp2(m - m_new)
+  return p.astype(dtype), m_new, rescale, l * rescale + p.sum(axis=1)
+
+
+def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
+                      qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
+                      v_free, take_turn, is_full, kv_segments_at, masked):
+  """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
+
+  Step ``j`` issues ``S_j = Q K_j^T`` and then ``O += P_{j-1} V_{j-1}``,
+  takes its turn on the schedule barrier, waits for ``S_j`` only (the older
+  product may still run), computes ``P_j`` and the new row maximum while
+  ``P V`` finishes, then rescales ``O``.  A first step computes ``S_0``
+  alone and a last one adds ``P V`` of the final tile.  Expects ``K_0``
+  waited for; each consumer of a CTA takes ``count + 1`` turns (both have
+  the same ``count``).  Returns ``(acc, m, l)`` as the plain loop does.
+  """
+  update = lambda qk, m, l, i, kv_seg: _softmax_update(  # noqa: E731
+      qk, m, l, full=is_full(i), logits=logits, dtype=dtype,
+      masked=lambda s: masked(s, i, kv_seg))
+
+  def wait_next_k(i):
+    @pl.when(i + 1 < count)
+    def _():
+      plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, stages)])
+
+  def first(carry):
+    acc, m, l, p = carry
+    kv_seg = kv_segments_at(0)
+
+    def qk_product(s_ref):
+      plgpu.wgmma(s_ref, qo_smem, k_smem.at[0].transpose((1, 0)))
+      take_turn()
+      return s_ref[...]
+    qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+    plgpu.barrier_arrive(k_free.at[0])
+    p, m, _, l = update(qk, m, l, 0, kv_seg)  # O is still zero
+    wait_next_k(0)
+    return acc, m, l, p
+
+  def step(j, carry):
+    acc, m, l, p_prev = carry
+    slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+    kv_seg = kv_segments_at(slot)
+    plgpu.barrier_wait(v_ready.at[prev])
+
+    def products(refs):
+      o_ref, m_ref, l_ref, p_ref, rescale_ref = refs
+
+      def with_scores(s_ref):
+        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+        take_turn()
+        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, not P V
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m_new, rescale, l_new = update(qk, m, l, j, kv_seg)
+        p_ref[...], m_ref[...] = p, m_new
+        l_ref[...], rescale_ref[...] = l_new, rescale
+        wait_next_k(j)
+      pl.run_scoped(with_scores, plgpu.ACC(tile, jnp.float32))
+    acc, m, l, p, rescale = pl.run_state(products)(
+        (plgpu.ACC.init(acc), m, l, p_prev, m))
+    plgpu.barrier_arrive(v_free.at[prev])
+    return acc * broadcast_rows(rescale, acc.shape), m, l, p
+
+  def last(carry):
+    acc, m, l, p = carry
+    slot = lax.rem(count - 1, stages)
+    plgpu.barrier_wait(v_ready.at[slot])
+
+    def pv_product(o_ref):
+      plgpu.wgmma(o_ref, p, v_smem.at[slot])
+      take_turn()
+    acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_free.at[slot])
+    return acc, m, l, p
+
+  p = plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA)
+  carry = (acc, m, l, p)
+  carry = lax.cond(count > 0, first, lambda c: c, carry)
+  carry = lax.fori_loop(1, count, step, carry)
+  acc, m, l, _ = lax.cond(count > 0, last, lambda c: c, carry)
+  return acc, m, l

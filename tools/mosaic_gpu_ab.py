@@ -1,16 +1,18 @@
-"""Compare the two mosaic_gpu backwards on a Hopper GPU in one process:
-the two-pass (dQ pass + dK/dV pass) and the fused one-pass
+"""Compare mosaic_gpu kernel variants on a Hopper GPU in one process: the
+default configuration, the overlapped forward
+(``MosaicGpuConfig(overlap_qk=True)``) and the fused one-pass backward
 (``MosaicGpuConfig(fuse_dq=True)``).
 
-For each cell it prints forward+backward and backward-only TFLOP/s (by the
-FlashAttention convention), whether two calls give bitwise-identical
-gradients, and the relative difference of each gradient between the two
-designs.  With ``--ptxas`` it first compiles both on a small shape with
-``MOSAIC_GPU_DUMP_PTXAS=1`` so that ptxas reports registers and spills.
+For each cell and variant it prints forward, forward+backward and
+backward-only TFLOP/s (by the FlashAttention convention), whether two calls
+give bitwise-identical results, and the relative difference of the output
+and each gradient from the default's.  With ``--ptxas`` it first compiles
+every variant on a small shape with ``MOSAIC_GPU_DUMP_PTXAS=1`` so that
+ptxas reports registers and spills.
 
 Usage (from the repository root, on the GPU)::
 
-  PYTHONPATH=. python3 tools/mosaic_gpu_backward_ab.py [--ptxas]
+  PYTHONPATH=. python3 tools/mosaic_gpu_ab.py [--ptxas]
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from benchmarks.timing import TimerConfig, time_function
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
 
 _CELLS = ((128, 16384, False), (128, 4096, True), (128, 16384, True),
-          (64, 4096, False))
+          (64, 4096, False), (256, 4096, False))
+_VARIANTS = (("default", {}), ("overlap_qk", dict(overlap_qk=True)),
+             ("fuse_dq", dict(fuse_dq=True)))
 
 
 def _time(fn, args) -> float:
@@ -44,13 +48,13 @@ def _rel(x, y) -> float:
 
 
 def _compile_small() -> None:
-  """Compiles both backwards once on a small shape (for the ptxas report)."""
+  """Compiles every variant once on a small shape (for the ptxas report)."""
   q = jnp.ones((1, 1024, 2, 128), jnp.bfloat16)
-  for fuse in (False, True):
-    backend = MosaicGpuBackend(MosaicGpuConfig(fuse_dq=fuse))
+  for name, fields in _VARIANTS:
+    backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
     loss = lambda q, k, v: jflash.dot_product_attention(  # noqa: E731
         q, k, v, implementation=backend).astype(jnp.float32).sum()
-    print(f"=== fuse_dq={fuse}", flush=True)
+    print(f"=== {name}", flush=True)
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
 
 
@@ -78,30 +82,38 @@ def main() -> None:
     q, k, v, cot = (jnp.asarray(rng.standard_normal(
         (batch, seq, heads, head_dim)), jnp.bfloat16) for _ in range(4))
     flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
-    grads = {}
-    for name, fuse in (("two-pass", False), ("fused", True)):
-      backend = MosaicGpuBackend(MosaicGpuConfig(fuse_dq=fuse))
+    results = {}
+    for name, fields in _VARIANTS:
+      if head_dim > 128 and fields.get("fuse_dq"):
+        continue  # the fused backward serves head dims up to 128
+      backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
       attend = lambda q, k, v: jflash.dot_product_attention(  # noqa: E731
           q, k, v, is_causal=causal, implementation=backend)
       forward = jax.jit(attend)
-      both = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](cot))
+
+      def both(q, k, v, attend=attend):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return (out, *vjp(cot))
+      both = jax.jit(both)
       try:
         first, second = both(q, k, v), both(q, k, v)
         same = all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(first, second))
-        grads[name] = first
+        results[name] = first
         t_fwd, t_both = _time(forward, (q, k, v)), _time(both, (q, k, v))
-        print(f"h={head_dim} s={seq} causal={causal} {name}: fwd+bwd "
+        print(f"h={head_dim} s={seq} causal={causal} {name}: fwd "
+              f"{flops / t_fwd / 1e12:6.1f} fwd+bwd "
               f"{3.5 * flops / t_both / 1e12:6.1f} bwd-only "
               f"{2.5 * flops / (t_both - t_fwd) / 1e12:6.1f} "
               f"rerun-identical={same}", flush=True)
       except Exception as err:  # noqa: BLE001 (report and go on)
         print(f"h={head_dim} s={seq} causal={causal} {name}: "
               f"{type(err).__name__}: {str(err)[:300]}", flush=True)
-    if len(grads) == 2:
-      diffs = [_rel(a, b) for a, b in zip(grads["fused"], grads["two-pass"])]
-      print("  fused vs two-pass relative difference dq/dk/dv: "
-            + " ".join(f"{d:.1e}" for d in diffs), flush=True)
+    for name, got in results.items():
+      if name != "default" and "default" in results:
+        diffs = [_rel(a, b) for a, b in zip(got, results["default"])]
+        print(f"  {name} vs default relative difference out/dq/dk/dv: "
+              + " ".join(f"{d:.1e}" for d in diffs), flush=True)
 
 
 if __name__ == "__main__":
