@@ -1,10 +1,11 @@
 """Sweep ``MosaicGpuConfig`` candidates on the current Hopper GPU and print
 the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 
-The forward is tuned first (block_q, block_kv, stages), timing the forward
-alone; then the backward, one group of fields at a time starting from the
-best forward (dQ tiles, then dK/dV tiles, then the backward ring depth),
-timing forward+backward.  Each candidate's output is compared with the
+The forward is tuned first (block_q, block_kv, stages, then the
+``overlap_qk`` switch on the best tiling), timing the forward alone; then
+the backward, one group of fields at a time starting from the best forward
+(dQ tiles, then dK/dV tiles, then the ring depths, then ``fuse_dq`` where
+the head dim allows it), timing forward+backward.  Each candidate's output is compared with the
 default configuration's before it is timed; candidates that do not fit in
 shared memory or fail to compile are reported and skipped.
 
@@ -55,6 +56,11 @@ def forward_candidates(head_dim: int) -> list[MosaicGpuConfig]:
   return found
 
 
+def forward_switches() -> list[dict]:
+  """Tried on the best forward tiling: the intra-warpgroup overlap."""
+  return [dict(overlap_qk=False), dict(overlap_qk=True)]
+
+
 def backward_groups(head_dim: int) -> list[list[dict]]:
   """Field groups varied one after another for the backward."""
   blocks = (64, 128)
@@ -65,7 +71,10 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
          if head_dim <= 128 or b == 64]
   stages = [dict(stages_dq=a, stages_dkv=b) for a, b in
             itertools.product((1, 2, 3), (1, 2, 3))]
-  return [dq, dkv, stages]
+  groups = [dq, dkv, stages]
+  if head_dim <= 128:  # the one-pass backward's range
+    groups.append([dict(fuse_dq=False), dict(fuse_dq=True)])
+  return groups
 
 
 def _rel(x, y) -> float:
@@ -141,6 +150,15 @@ def tune(tuner: Tuner, log) -> tuple[MosaicGpuConfig, list[dict]]:
       best, best_tflops = config, row["tflops"]
   if best is None:
     best = MosaicGpuConfig()
+  tiling = best
+  for fields in forward_switches():
+    config = dataclasses.replace(tiling, **fields)
+    row = dict(pass_="fwd", config=dataclasses.asdict(config),
+               **tuner.measure(config, "fwd"))
+    rows.append(row)
+    log(row)
+    if row.get("tflops", -1) > best_tflops:
+      best, best_tflops = config, row["tflops"]
   best_both = -1.0
   for group in backward_groups(tuner.head_dim):
     group_best = best

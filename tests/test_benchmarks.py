@@ -149,6 +149,13 @@ def test_tuner_candidates_include_the_defaults_and_fit():
       smem = 2 * (2 * c.block_q * head_dim + 2 * c.stages * c.block_kv *
                   head_dim)
       assert smem <= 227 * 1024
+    # Every switch and backward group entry is a valid config for the head
+    # dim (the fused backward is offered only where it serves).
+    import dataclasses
+    for fields in tune_mosaic_gpu.forward_switches() + [
+        f for group in tune_mosaic_gpu.backward_groups(head_dim)
+        for f in group]:
+      dataclasses.replace(default, **fields).resolved(head_dim)
 
 
 def test_xprof_placeholder_only_fills_missing_modules():
