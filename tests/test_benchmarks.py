@@ -1,6 +1,7 @@
 """The benchmark grid's core on tiny cells (CPU): FLOP counting, the checked
 and timed rows, and the written results."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -151,7 +152,6 @@ def test_tuner_candidates_include_the_defaults_and_fit():
       assert smem <= 227 * 1024
     # Every switch and backward group entry is a valid config for the head
     # dim (the fused backward is offered only where it serves).
-    import dataclasses
     for fields in tune_mosaic_gpu.forward_switches() + [
         f for group in tune_mosaic_gpu.backward_groups(head_dim)
         for f in group]:
