@@ -123,8 +123,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                 q_length=q_length, kv_length=kv_length,
                                 q_seg=q_seg, kv_seg=kv_seg)
 
-        factor = logits.linear_factor
-
         def kv_segments_at(slot):
           if kv_seg_ref is None:
             return None
@@ -145,18 +143,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             return acc_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
-          if factor is None:
-            s = logits(qk)
-            s = lax.cond(full, lambda s: s,
-                         lambda s: masked(s, tile_at(i), kv_seg), s)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            p = jnp.exp2(s - broadcast_rows(m_new, tile))
-          else:  # the maximum of the raw products; one FMA per exponent
-            qk = lax.cond(full, lambda s: s,
-                          lambda s: masked(s, tile_at(i), kv_seg), qk)
-            m_new = jnp.maximum(m, qk.max(axis=1) * factor)
-            p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
-          rescale = jnp.exp2(m - m_new)
+          p, m_new, rescale = _exponentials(
+              qk, m, full=full, logits=logits,
+              masked=lambda s: masked(s, tile_at(i), kv_seg))
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
           p_low = p.astype(dtype)
@@ -263,11 +252,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
 
 
-def _softmax_update(qk: Array, m: Array, l: Array, *, full, masked,
-                    logits: LogitTransform, dtype):
-  """One online-softmax update from the raw products ``qk``: the
-  probabilities in ``dtype``, the new row maximum, the factor that rescales
-  earlier sums to it, and the new row sum."""
+def _exponentials(qk: Array, m: Array, *, full, masked,
+                  logits: LogitTransform) -> tuple[Array, Array, Array]:
+  """One online-softmax step from the raw products ``qk`` (``masked``
+  applied unless ``full``): the float32 probabilities relative to the new
+  row maximum, that maximum, and the factor rescaling earlier sums to it."""
   tile = qk.shape
   factor = logits.linear_factor
   if factor is None:
@@ -278,8 +267,7 @@ def _softmax_update(qk: Array, m: Array, l: Array, *, full, masked,
     qk = lax.cond(full, lambda s: s, masked, qk)
     m_new = jnp.maximum(m, qk.max(axis=1) * factor)
     p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
-  rescale = jnp.exp2(m - m_new)
-  return p.astype(dtype), m_new, rescale, l * rescale + p.sum(axis=1)
+  return p, m_new, jnp.exp2(m - m_new)
 
 
 def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
@@ -295,9 +283,11 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
   waited for; each consumer of a CTA takes ``count + 1`` turns (both have
   the same ``count``).  Returns ``(acc, m, l)`` as the plain loop does.
   """
-  update = lambda qk, m, l, i, kv_seg: _softmax_update(  # noqa: E731
-      qk, m, l, full=is_full(i), logits=logits, dtype=dtype,
-      masked=lambda s: masked(s, i, kv_seg))
+  def update(qk, m, l, i, kv_seg):
+    p, m_new, rescale = _exponentials(
+        qk, m, full=is_full(i), logits=logits,
+        masked=lambda s: masked(s, i, kv_seg))
+    return p.astype(dtype), m_new, rescale, l * rescale + p.sum(axis=1)
 
   def wait_next_k(i):
     @pl.when(i + 1 < count)
