@@ -59,6 +59,13 @@ def _probabilities(qk: Array, logits: LogitTransform, full: Array, masked,
   return p, logits.derivative(s)
 
 
+def _score_gradient(p: Array, dp: Array, delta: Array,
+                    derivative: Array | None) -> Array:
+  """``dS = P * (dP - delta)``, times the soft cap's derivative if any."""
+  ds = p * (dp - delta)
+  return ds if derivative is None else ds * derivative
+
+
 @dataclasses.dataclass(frozen=True)
 class QueryRing:
   """The shared-memory ring through which a producer streams query tiles
@@ -257,9 +264,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             return acc_ref[...]
           dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(v_free.at[slot])
-          ds = p * (dp - delta)
-          if derivative is not None:
-            ds = ds * derivative
+          ds = _score_gradient(p, dp, delta, derivative)
 
           def dq_product(acc_ref):
             plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -399,16 +404,13 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
               full=full, mask=mask, want_dp=want_dk)
 
-          def ds_of(p):
-            ds = p * (dp - delta)
-            return ds if derivative is None else ds * derivative
-
           if want_dv and want_dk:
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs
               plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
               # dS while the tensor cores compute dV.
-              plgpu.wgmma(dk_ref, ds_of(p).astype(dtype), ring.q.at[slot])
+              ds = _score_gradient(p, dp, delta, derivative)
+              plgpu.wgmma(dk_ref, ds.astype(dtype), ring.q.at[slot])
             dv, dk = pl.run_state(dv_dk_products)(
                 (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           elif want_dv:
@@ -417,7 +419,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
           else:
             def dk_product(acc_ref):
-              plgpu.wgmma(acc_ref, ds_of(p).astype(dtype), ring.q.at[slot])
+              ds = _score_gradient(p, dp, delta, derivative)
+              plgpu.wgmma(acc_ref, ds.astype(dtype), ring.q.at[slot])
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
           plgpu.barrier_arrive(ring.do_free.at[slot])
           plgpu.barrier_arrive(ring.q_free.at[slot])

@@ -49,6 +49,7 @@ from jax import lax
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.backward import (QueryRing, _optional,
+                                                 _score_gradient,
                                                  query_ring_scratch)
 from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
                                                broadcast_rows)
@@ -166,9 +167,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           p, derivative, dp, delta = ring.scores(
               slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
               full=full, mask=mask, want_dp=True)
-          ds = p * (dp - delta)
-          if derivative is not None:
-            ds = ds * derivative
+          ds = _score_gradient(p, dp, delta, derivative)
 
           # The dS slot is free once the dQ product of step i - 2 read it.
           @pl.when(i >= 2)
