@@ -239,7 +239,11 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
   text = jax.jit(run).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
   # Forward, then dQ and dK/dV, or the one fused backward kernel.
-  assert text.count("mosaic_gpu") >= (2 if variant.get("fuse_dq") else 3)
+  kernels = text.count("custom_call @mosaic_gpu")
+  assert kernels == (2 if variant.get("fuse_dq") else 3)
+  # Only the overlapped forward waits for all but the newest product.
+  jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
+  assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk"))
 
 
 @pytest.mark.parametrize("rules", [dict(is_causal=True),
