@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 4,
 
 
 def _attend(q, k, v, ids, lengths):
+  """Causal attention; with ``ids`` and ``lengths`` None the tile schedule
+  depends on shapes only and is built while tracing, inside shard_map."""
   return jflash.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=ids,
       key_value_seq_lengths=lengths, implementation=SMALL, interpret=True)
@@ -37,13 +39,17 @@ def _loss(q, k, v, ids, lengths, cot):
                                   P(("data", "model"), None, None, None),
                                   P(None, None, "model", None)],
                          ids=["batch+heads", "batch-both-axes", "heads"])
-def test_explicitly_sharded_inputs_run_per_shard(spec):
+@pytest.mark.parametrize("per_call_mask", [True, False],
+                         ids=["segments+lengths", "causal-only"])
+def test_explicitly_sharded_inputs_run_per_shard(spec, per_call_mask):
   rng = fresh_rng()
   b, t, n, k = 4, 48, 4, 2
   q, key, value = random_qkv(rng, b=b, t=t, s=t, n=n, k=k, h=32)
   cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-  ids = jnp.asarray(random_segments(rng, b, t))
-  lengths = jnp.asarray(rng.integers(1, t + 1, b), jnp.int32)
+  ids = lengths = None
+  if per_call_mask:
+    ids = jnp.asarray(random_segments(rng, b, t))
+    lengths = jnp.asarray(rng.integers(1, t + 1, b), jnp.int32)
   mesh = jax.make_mesh((2, 2), ("data", "model"),
                        axis_types=(AxisType.Explicit,) * 2)
   sharding = NamedSharding(mesh, spec)

@@ -21,6 +21,8 @@ MAX_CONSTANT_ELEMENTS = 1 << 18
 """Largest array embedded as a constant (1 MiB of int32); larger schedules
 are computed per call."""
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
 
 def depends_on_shapes_only(mask: masks.AttentionMask) -> bool:
   """True when no per-call array takes part in visibility."""
@@ -39,7 +41,10 @@ def constant_if_static(make: Callable[[], Any], mask: masks.AttentionMask):
   except RuntimeError:  # no CPU backend in this process
     device = None
   try:
-    with jax.ensure_compile_time_eval(), jax.default_device(device):
+    # Under shard_map the ambient mesh is manual, and eager arrays cannot
+    # take a manual sharding: evaluate outside any mesh.
+    with jax.ensure_compile_time_eval(), jax.default_device(device), \
+        jax.sharding.use_abstract_mesh(_NO_MESH):
       values = jax.tree.map(np.asarray, make())
   except ValueError:
     # Eager evaluation is refused under an abstract-only mesh (exporting
