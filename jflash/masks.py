@@ -430,6 +430,26 @@ def tile_schedule(mask: AttentionMask, block_q: int, block_kv: int, *,
                       block_q, block_kv)
 
 
+def heaviest_first(count: Array) -> Array:
+  """An order in which to start independent blocks of work, longest first.
+
+  A kernel whose CTAs each take one block (one row of a schedule) finishes
+  when its slowest SM does.  Starting the blocks that visit the most tiles
+  first leaves the short ones to fill the tail (longest-processing-time
+  order); under a causal mask, where the work of query block ``i`` grows
+  with ``i``, this is the reverse of the natural order.
+
+  Args:
+    count: int ``[B, n]``: tiles visited per block (``kv_count`` or
+      ``q_count`` of a :class:`TileSchedule`).
+
+  Returns:
+    int32 ``[B * n]``: the flat indices ``b * n + i`` in decreasing order of
+    ``count``; equal counts keep index order.
+  """
+  return jnp.argsort(-count.reshape(-1), stable=True).astype(jnp.int32)
+
+
 # ------------------------------------------------------ kernel-side helpers
 def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
                   q_length: Array | None = None,

@@ -186,6 +186,29 @@ def test_schedule_orders_list_nonempty_tiles_first():
       (classes != masks.EMPTY).any(0))
 
 
+def test_heaviest_first_starts_the_longest_blocks_first():
+  rng, seed = _seeded()
+  sched = masks.tile_schedule(
+      random_mask(rng, 3, 70, 90, causal=True, window=False, lengths=True,
+                  segments=True, dense=False)[0], 8, 16)
+  for count in (np.asarray(sched.kv_count), np.asarray(sched.q_count),
+                rng.integers(0, 4, (2, 9))):  # many ties
+    order = np.asarray(masks.heaviest_first(jnp.asarray(count)))
+    flat = count.reshape(-1)
+    # Every block exactly once; counts non-increasing; ties in index order.
+    np.testing.assert_array_equal(np.sort(order), np.arange(flat.size),
+                                  str(seed))
+    np.testing.assert_array_equal(
+        order, np.lexsort((np.arange(flat.size), -flat)), str(seed))
+  # Causal with no other rule: the last query block has the most tiles.
+  causal = masks.tile_schedule(
+      masks.AttentionMask(batch=2, q_len=64, kv_len=64, is_causal=True), 16,
+      16)
+  np.testing.assert_array_equal(
+      np.asarray(masks.heaviest_first(causal.kv_count)),
+      [3, 7, 2, 6, 1, 5, 0, 4])
+
+
 def test_rows_with_visible_keys():
   rng, seed = _seeded()
   mask, vis = random_mask(rng, 2, 30, 20, causal=True, window=True,

@@ -132,10 +132,11 @@ def test_schedule_covers_every_visible_pair():
                           config=MosaicGpuConfig().resolved(128), head_dim=128)
   config = plan.config
   pads = mosaic_gpu._padding(mask, plan)
-  order, count = mosaic_gpu._kv_schedule(mask, 2 * config.block_q,
-                                         config.block_kv, pads)
-  classes = mosaic_gpu._classes_per_step(
-      mosaic_gpu._classes(mask, config.block_q, config.block_kv, pads), order)
+  order, count, classes, block_order = mosaic_gpu._rows_metadata(
+      mask, config.block_q, config.block_kv, pads)
+  # CTAs take every row block of every batch row exactly once.
+  np.testing.assert_array_equal(np.sort(np.asarray(block_order)),
+                                np.arange(count.size))
   visible = np.asarray(mask.visibility())[:, 0]
   bq, bk = config.block_q, config.block_kv
   order, count, classes = map(np.asarray, (order, count, classes))
@@ -177,9 +178,13 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
                           config=MosaicGpuConfig().resolved(256), head_dim=256)
   bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
   pads = mosaic_gpu._padding(mask, plan)
-  order, count, classes = map(np.asarray, getattr(mosaic_gpu, make)(
-      mask, bq, bk, pads)[:3])
+  metadata = getattr(mosaic_gpu, make)(mask, bq, bk, pads)
+  order, count, classes = map(np.asarray, metadata[:3])
   assert order.shape[1] * keys_per_cta * bk == pads.kv_pad
+  if make != "_fused_keys_metadata":  # its CTAs go in key-block order
+    # CTAs take every key block of every batch row exactly once.
+    np.testing.assert_array_equal(np.sort(np.asarray(metadata[3])),
+                                  np.arange(count.size))
   visible = np.asarray(mask.visibility())[:, 0]
   for b in range(batch):
     for j in range(order.shape[1]):

@@ -176,28 +176,34 @@ def _q_schedule(mask, block_q, block_kv, pads):
 
 def _rows_metadata(mask, block_q, block_kv, pads):
   """Forward/dQ: per CTA of ``2 * block_q`` query rows, the key tiles to
-  visit, their count, and each consumer's class at each step."""
+  visit, their count, each consumer's class at each step, and the order in
+  which CTAs take the row blocks (longest first)."""
   order, count = _kv_schedule(mask, 2 * block_q, block_kv, pads)
   classes = _classes(mask, block_q, block_kv, pads)
-  return order, count, _classes_per_step(classes, order)
+  return (order, count, _classes_per_step(classes, order),
+          masks.heaviest_first(count))
 
 
 def _keys_metadata(mask, block_q, block_kv, pads):
   """dK/dV: per CTA of ``2 * block_kv`` keys, the query tiles to visit,
-  their count, and each consumer's class at each step."""
+  their count, each consumer's class at each step, and the order in which
+  CTAs take the key blocks (longest first)."""
   order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
-  return order, count, _classes_per_step(classes, order)
+  return (order, count, _classes_per_step(classes, order),
+          masks.heaviest_first(count))
 
 
 def _shared_keys_metadata(mask, block_q, block_kv, pads):
   """dK/dV with split outputs: per CTA of ``block_kv`` keys (both consumers
-  take the same keys), the query tiles to visit, their count, and the class
-  at each step (the same for both consumers)."""
+  take the same keys), the query tiles to visit, their count, the class at
+  each step (the same for both consumers), and the order in which CTAs
+  take the key blocks."""
   order, count = _q_schedule(mask, block_q, block_kv, pads)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   per_step = jnp.take_along_axis(classes, order, axis=2)
-  return order, count, jnp.stack([per_step, per_step], axis=-1)
+  return (order, count, jnp.stack([per_step, per_step], axis=-1),
+          masks.heaviest_first(count))
 
 
 def _fused_keys_metadata(mask, block_q, block_kv, pads):
@@ -225,7 +231,7 @@ def _fused_keys_metadata(mask, block_q, block_kv, pads):
 
 
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
-              pads: _Padded) -> tuple[Array, Array, Array]:
+              pads: _Padded) -> tuple[Array, ...]:
   """``make(mask, block_q, block_kv, pads)``; constants built while tracing
   when the schedule depends on shapes only."""
   return trace_time.constant_if_static(
@@ -245,10 +251,11 @@ def _forward(q, k, v, mask, plan: _Plan):
   c = plan.config
   pads = _padding(mask, plan)
   qp, kp, vp = _pad_inputs(q, k, v, pads)
-  order, count, classes = _metadata(_rows_metadata, mask, c.block_q,
-                                    c.block_kv, pads)
+  order, count, classes, block_order = _metadata(
+      _rows_metadata, mask, c.block_q, c.block_kv, pads)
   out, lse = forward.forward_kernel_call(
       qp, kp, vp, kv_order=order, kv_count=count, classes=classes,
+      block_order=block_order,
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
       overlap_qk=c.overlap_qk)
@@ -285,20 +292,21 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
     dq = jnp.where(rows, dq_sum * plan.logits.scale, 0.0).astype(q.dtype)
     return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 
-  order, count, classes = _metadata(_rows_metadata, mask, c.block_q_dq,
-                                    c.block_kv_dq, pads)
+  order, count, classes, block_order = _metadata(
+      _rows_metadata, mask, c.block_q_dq, c.block_kv_dq, pads)
   dq = backward.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
-      classes=classes, block_q=c.block_q_dq, block_kv=c.block_kv_dq,
+      classes=classes, block_order=block_order, block_q=c.block_q_dq, block_kv=c.block_kv_dq,
       stages=c.stages_dq, **common_args)
   # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
   # the two consumers then share their keys, one output each.
   split_outputs = pads.head_pad > 128
-  order, count, classes = _metadata(
+  order, count, classes, block_order = _metadata(
       _shared_keys_metadata if split_outputs else _keys_metadata, mask,
       c.block_q_dkv, c.block_kv_dkv, pads)
   dk, dv = backward.dkv_kernel_call(
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
+      block_order=block_order,
       block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,
       split_outputs=split_outputs, **common_args)
   return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]

@@ -166,6 +166,7 @@ def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
 
 def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                    kv_order: Array, kv_count: Array, classes: Array,
+                   block_order: Array,
                    q_lengths: Array | None, kv_lengths: Array | None,
                    q_segments: Array | None, kv_segments: Array | None,
                    spec: MaskSpec, logits: LogitTransform, block_q: int,
@@ -180,6 +181,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       block.
     classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
       the tile visited at each step for each consumer's ``block_q`` rows.
+    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
+      take query blocks (:func:`jflash.masks.heaviest_first`).
 
   Returns:
     ``dq [B, Tp, N, Hp]`` in the input dtype.
@@ -191,13 +194,14 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
 
+  num_q_blocks = q_pad // (2 * block_q)
+
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-             class_ref, *rest):
+             class_ref, block_order_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
     (dq_ref,) = rest[len(names):]
-    b = lax.axis_index("batch")
+    b, q_block = common.cta_block(block_order_ref, num_q_blocks)
     head = lax.axis_index("heads")
-    q_block = lax.axis_index("q_seq")
     wg = lax.axis_index("wg")
     count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
     q_length = common.scalar_or_none(named.get("q_lengths"), b)
@@ -312,17 +316,17 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(num_heads, q_pad // (2 * block_q), batch),
-      grid_names=("heads", "q_seq", "batch"),
+      grid=(num_heads, batch * num_q_blocks),
+      grid_names=("heads", "blocks"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, do, stats, kv_order, kv_count, classes, *extras)
+  )(q, k, v, do, stats, kv_order, kv_count, classes, block_order, *extras)
 
 
 def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     q_order: Array, q_count: Array, classes: Array,
-                    q_lengths: Array | None, kv_lengths: Array | None,
+                    block_order: Array, q_lengths: Array | None, kv_lengths: Array | None,
                     q_segments: Array | None, kv_segments: Array | None,
                     spec: MaskSpec, logits: LogitTransform, block_q: int,
                     block_kv: int, stages: int,
@@ -336,6 +340,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     classes: int32 ``[B, Sp / keys, Tp / block_q, 2]``: the class of the
       tile visited at each step of ``q_order`` for each consumer's
       ``block_kv`` keys.
+    block_order: int32 ``[B * Sp / keys]``, the order in which CTAs take
+      key blocks (:func:`jflash.masks.heaviest_first`).
     split_outputs: both consumer warpgroups take the same ``block_kv`` keys;
       the first accumulates dV, the second dK.  For head dims whose two
       accumulators do not fit in one warpgroup's registers (256): the CTA
@@ -354,13 +360,14 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
 
+  num_kv_blocks = kv_pad // keys_per_cta
+
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-             class_ref, *rest):
+             class_ref, block_order_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
     dk_ref, dv_ref = rest[len(names):]
-    b = lax.axis_index("batch")
+    b, kv_block = common.cta_block(block_order_ref, num_kv_blocks)
     kv_head = lax.axis_index("heads")
-    kv_block = lax.axis_index("kv_seq")
     wg = lax.axis_index("wg")
     count, tile_at = common.schedule_row(order_ref, count_ref, b, kv_block)
     steps = count * group
@@ -495,10 +502,10 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   dk, dv = plgpu.kernel(
       kernel,
       out_type=(kv_type, kv_type),
-      grid=(num_kv_heads, kv_pad // keys_per_cta, batch),
-      grid_names=("heads", "kv_seq", "batch"),
+      grid=(num_kv_heads, batch * num_kv_blocks),
+      grid_names=("heads", "blocks"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, do, stats, q_order, q_count, classes, *extras)
+  )(q, k, v, do, stats, q_order, q_count, classes, block_order, *extras)
   return dk, dv

@@ -1,7 +1,7 @@
 """Hopper forward kernel: FlashAttention-3 structure in Pallas Mosaic GPU.
 
-One CTA per (head, ``2 * block_q`` query rows, batch row) with three
-warpgroups:
+One CTA per (head, ``2 * block_q`` query rows, batch row), the row blocks
+that visit the most tiles launched first, with three warpgroups:
 
 * two consumer warpgroups, each owning ``block_q`` query rows: ``Q K^T`` on
   the tensor cores (``wgmma``), online softmax in float32 registers (base-2
@@ -39,7 +39,7 @@ _COL = plgpu.Layout.WGMMA.reduce(0)
 
 
 def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
-                        kv_count: Array, classes: Array,
+                        kv_count: Array, classes: Array, block_order: Array,
                         q_lengths: Array | None, kv_lengths: Array | None,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
@@ -57,6 +57,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
       the tile visited at each step of ``kv_order`` for each consumer's
       ``block_q`` rows (read once per step, with no dependent lookup).
+    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
+      take query blocks (:func:`jflash.masks.heaviest_first` of
+      ``kv_count``).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
     overlap_qk: issue each step's ``Q K^T`` together with the previous
@@ -79,12 +82,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                   q_segments=q_segments, kv_segments=kv_segments)
   optional_names = [n for n, x in optional.items() if x is not None]
 
-  def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref, *rest):
+  def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
+             block_order_ref, *rest):
     named = dict(zip(optional_names, rest[:len(optional_names)]))
     out_ref, lse_ref = rest[len(optional_names):]
-    b = lax.axis_index("batch")
+    b, q_block = common.cta_block(block_order_ref, num_q_blocks)
     head = lax.axis_index("heads")
-    q_block = lax.axis_index("q_seq")
     wg = lax.axis_index("wg")
     count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
     q_length = common.scalar_or_none(named.get("q_lengths"), b)
@@ -240,12 +243,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-      grid=(num_heads, num_q_blocks, batch),
-      grid_names=("heads", "q_seq", "batch"),
+      grid=(num_heads, batch * num_q_blocks),
+      grid_names=("heads", "blocks"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, kv_order, kv_count, classes,
+  )(q, k, v, kv_order, kv_count, classes, block_order,
     *(optional[n] for n in optional_names))
   return out, lse
 

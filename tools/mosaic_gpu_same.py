@@ -1,0 +1,109 @@
+"""Check that two source trees give bitwise-identical ``mosaic_gpu`` results,
+and time both, on a Hopper GPU.
+
+For kernel changes that must not change any number (the order in which
+CTAs are launched, scheduling, barriers), this is a stronger check than a
+tolerance against the reference: the same fixed-seed inputs go through each
+tree in its own process, and the output and gradients must hash the same.
+
+Usage (from the repository root, on the GPU; ``OLD`` a copy of the tree to
+compare against, e.g. from ``git worktree add``)::
+
+  PYTHONPATH=OLD python3 tools/mosaic_gpu_same.py --save old.json
+  PYTHONPATH=. python3 tools/mosaic_gpu_same.py --save new.json
+  python3 tools/mosaic_gpu_same.py --compare old.json new.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+
+# (head dim, sequence length, causal, window); B * S = 16384, N * H = 2048.
+_CELLS = ((128, 16384, True, None), (128, 4096, True, None),
+          (64, 4096, True, None), (128, 16384, True, (1024, 0)))
+
+
+def _digest(x) -> str:
+  import numpy as np  # noqa: PLC0415 (only where a GPU runs)
+  return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+
+
+def _run(path: str, implementation: str, shrink: int) -> None:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  import jflash  # noqa: PLC0415
+  from benchmarks.timing import TimerConfig, time_function  # noqa: PLC0415
+
+  timer = TimerConfig(repeats=5, warmup=2)
+  results = {}
+  for head_dim, seq, causal, window in _CELLS:
+    heads, batch = 2048 // head_dim, 16384 // seq
+    seq //= shrink
+    rng = np.random.default_rng(seq + head_dim + causal)
+    q, k, v, cot = (jnp.asarray(rng.standard_normal(
+        (batch, seq, heads, head_dim)), jnp.bfloat16) for _ in range(4))
+    visible = seq * seq / 2 if causal else seq * seq
+    if window is not None:
+      visible = sum(min(i, window[0]) + 1 for i in range(seq))
+    flops = 4 * batch * heads * visible * head_dim
+
+    def attend(q, k, v, causal=causal, window=window):
+      return jflash.dot_product_attention(
+          q, k, v, is_causal=causal, local_window_size=window,
+          implementation=implementation)
+
+    def both(q, k, v, attend=attend):
+      out, vjp = jax.vjp(attend, q, k, v)
+      return (out, *vjp(cot))
+    forward, both = jax.jit(attend), jax.jit(both)
+    values = both(q, k, v)
+    t_fwd = time_function(forward, [(q, k, v)], timer)["ms"] * 1e-3
+    t_both = time_function(both, [(q, k, v)], timer)["ms"] * 1e-3
+    name = f"h={head_dim} s={seq} causal={causal} window={window}"
+    results[name] = dict(
+        digests=[_digest(x) for x in values],
+        finite=bool(all(np.isfinite(np.asarray(x, np.float32)).all()
+                        for x in values)),
+        fwd=flops / t_fwd / 1e12, fwd_bwd=3.5 * flops / t_both / 1e12)
+    print(f"{name}: fwd {results[name]['fwd']:6.1f} fwd+bwd "
+          f"{results[name]['fwd_bwd']:6.1f} "
+          f"finite={results[name]['finite']}", flush=True)
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1)
+
+
+def _compare(old_path: str, new_path: str) -> None:
+  with open(old_path) as f:
+    old = json.load(f)
+  with open(new_path) as f:
+    new = json.load(f)
+  for name in old:
+    a, b = old[name], new.get(name)
+    if b is None:
+      print(f"{name}: missing in {new_path}")
+      continue
+    same = [x == y for x, y in zip(a["digests"], b["digests"])]
+    print(f"{name}: out/dq/dk/dv identical={same} fwd {a['fwd']:.1f} -> "
+          f"{b['fwd']:.1f}, fwd+bwd {a['fwd_bwd']:.1f} -> {b['fwd_bwd']:.1f}")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--save")
+  parser.add_argument("--compare", nargs=2)
+  parser.add_argument("--implementation", default="mosaic_gpu")
+  parser.add_argument("--shrink", type=int, default=1,
+                      help="divide sequence lengths (a CPU smoke test)")
+  args = parser.parse_args()
+  if args.compare:
+    _compare(*args.compare)
+  else:
+    _run(args.save, args.implementation, args.shrink)
+
+
+if __name__ == "__main__":
+  main()
