@@ -287,10 +287,11 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
   the same ``count``).  Returns ``(acc, m, l)`` as the plain loop does.
   """
   def update(qk, m, l, i, kv_seg):
+    """float32 probabilities, new maximum, rescale factor, new row sums."""
     p, m_new, rescale = _exponentials(
         qk, m, full=is_full(i), logits=logits,
         masked=lambda s: masked(s, i, kv_seg))
-    return p.astype(dtype), m_new, rescale, l * rescale + p.sum(axis=1)
+    return p, m_new, rescale, l * rescale + p.sum(axis=1)
 
   def wait_next_k(i):
     @pl.when(i + 1 < count)
@@ -309,7 +310,7 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
     plgpu.barrier_arrive(k_free.at[0])
     p, m, _, l = update(qk, m, l, 0, kv_seg)  # O is still zero
     wait_next_k(0)
-    return acc, m, l, p
+    return acc, m, l, p.astype(dtype)
 
   def step(j, carry):
     acc, m, l, p_prev = carry
@@ -318,7 +319,7 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
     plgpu.barrier_wait(v_ready.at[prev])
 
     def products(refs):
-      o_ref, m_ref, l_ref, p_ref, rescale_ref = refs
+      o_ref, m_ref, l_ref, p_ref, rescale_ref = refs  # p_ref: float32
 
       def with_scores(s_ref):
         plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -331,10 +332,15 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
         l_ref[...], rescale_ref[...] = l_new, rescale
         wait_next_k(j)
       pl.run_scoped(with_scores, plgpu.ACC(tile, jnp.float32))
+    # P_j stays in float32 until P V has finished reading P_{j-1}: writing
+    # the registers of a wgmma operand while it is in flight makes ptxas
+    # serialize every wgmma of the loop (its warning C7513).
     acc, m, l, p, rescale = pl.run_state(products)(
-        (plgpu.ACC.init(acc), m, l, p_prev, m))
+        (plgpu.ACC.init(acc), m, l,
+         plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA),
+         m))
     plgpu.barrier_arrive(v_free.at[prev])
-    return acc * broadcast_rows(rescale, acc.shape), m, l, p
+    return acc * broadcast_rows(rescale, acc.shape), m, l, p.astype(dtype)
 
   def last(carry):
     acc, m, l, p = carry
