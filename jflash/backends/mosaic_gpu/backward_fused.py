@@ -12,20 +12,22 @@ key blocks before ``j`` that visit that tile.  The first contributor stores
 instead of adding, so the accumulator needs no zero fill; query tiles that
 no key block visits are zeroed by the caller.
 
-One CTA per (key/value head, ``2 * block_kv`` keys, batch row), four
-warpgroups:
+One CTA per (key/value head, ``2 * block_kv`` keys, batch row), three
+warpgroups, as in FlashAttention-3's backward:
 
 * two consumers, each holding dK and dV of its ``block_kv`` keys in
   registers, as in the two-pass dK/dV kernel.  Each also writes its ``dS``
   tile to shared memory; at step ``i`` consumer ``i % 2`` multiplies both
   ``dS`` tiles by both K tiles into the CTA's dQ contribution and stages it
   in shared memory;
-* a producer streaming Q, dO and the row statistics;
-* a writer that, for each staged contribution, waits for its turn on the
-  tile's semaphore and adds it with a TMA reduction.  It releases the
+* a third warpgroup with the producer's small register budget: its first
+  warp streams Q, dO and the row statistics; its second warp is the writer
+  that, for each staged contribution, waits for its turn on the tile's
+  semaphore and adds it with a TMA reduction.  The writer releases the
   staging buffer as soon as the copy has read it, and signals the next
   contributor once the add has reached global memory (checked one step
-  later, so that adds overlap).
+  later, so that adds overlap).  Three warpgroups rather than four leave
+  the consumers the same registers as in the two-pass kernels.
 
 Ordering needs CTAs to start in grid order (key block ``j`` after every
 block before it, for the same batch row and head), which is how Hopper
@@ -57,11 +59,6 @@ from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
 Array = jax.Array
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
-
-# Four warpgroups share the 64K registers of an SM: (2 * 224 + 2 * 32) * 128
-# = 65536.  The producer and the writer only compute addresses.
-_CONSUMER_REGISTERS = 224
-_SMALL_REGISTERS = 32
 
 _F32_TILING = plgpu.TilingTransform((8, 32))
 
@@ -131,7 +128,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
 
       @pl.when(wg < 2)
       def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
         kv_base = (kv_block * 2 + wg) * block_kv
         rows = pl.ds(kv_base, block_kv)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
@@ -227,16 +225,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, kv_head])
         plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(_SMALL_REGISTERS, action="decrease")
-        ring.stream(steps, head_and_tile, stages=stages, block_q=block_q, b=b,
-                    q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
-                    q_seg_ref=q_seg_ref)
-
-      @pl.when(wg == 3)
-      def _writer():
-        plgpu.set_max_registers(_SMALL_REGISTERS, action="decrease")
+      def write_dq():
+        """The writer: adds the staged contributions in rank order."""
 
         def turn_of(i):
           head, q_tile = head_and_tile(i)
@@ -275,6 +265,20 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           plgpu.wait_smem_to_gmem(0)
           plgpu.semaphore_signal(turn_of(steps - 1), 1, memory_scope="gpu")
 
+      @pl.when(wg == 2)
+      def _producer_and_writer():
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+
+        @plgpu.warp_map
+        def _per_warp(warp):
+          @pl.when(warp == 0)
+          def _():
+            ring.stream(steps, head_and_tile, stages=stages, block_q=block_q,
+                        b=b, q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
+                        q_seg_ref=q_seg_ref)
+
+          pl.when(warp == 1)(write_dq)
+
     segments = spec.has_segments
     pl.run_scoped(
         body,
@@ -299,7 +303,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), kv_type, kv_type),
       grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
       grid_names=("heads", "kv_seq", "batch"),
-      num_threads=4,
+      num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, do, stats, q_order, q_count, classes, ranks, *extras)
