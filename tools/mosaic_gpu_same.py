@@ -7,11 +7,11 @@ tolerance against the reference: the same fixed-seed inputs go through each
 tree in its own process, and the output and gradients must hash the same.
 
 Usage (from the repository root, on the GPU; ``OLD`` a copy of the tree to
-compare against, e.g. from ``git worktree add``)::
+compare against, e.g. staged by ``tools/stage_trees.sh``)::
 
   PYTHONPATH=OLD python3 tools/mosaic_gpu_same.py --save old.json
   PYTHONPATH=. python3 tools/mosaic_gpu_same.py --save new.json
-  python3 tools/mosaic_gpu_same.py --compare old.json new.json
+  python3 tools/mosaic_gpu_same.py --compare old.json new.json [more.json]
 """
 
 from __future__ import annotations
@@ -76,7 +76,13 @@ def _run(path: str, implementation: str, shrink: int) -> None:
     json.dump(results, f, indent=1)
 
 
-def _compare(old_path: str, new_path: str) -> None:
+def _compare(old_path: str, *new_paths: str) -> None:
+  for new_path in new_paths:
+    print(f"== {old_path} -> {new_path}")
+    _compare_two(old_path, new_path)
+
+
+def _compare_two(old_path: str, new_path: str) -> None:
   with open(old_path) as f:
     old = json.load(f)
   with open(new_path) as f:
@@ -94,7 +100,7 @@ def _compare(old_path: str, new_path: str) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--save")
-  parser.add_argument("--compare", nargs=2)
+  parser.add_argument("--compare", nargs="+")
   parser.add_argument("--implementation", default="mosaic_gpu")
   parser.add_argument("--shrink", type=int, default=1,
                       help="divide sequence lengths (a CPU smoke test)")
