@@ -12,6 +12,8 @@ compare against, e.g. staged by ``tools/stage_trees.sh``)::
   PYTHONPATH=OLD python3 tools/mosaic_gpu_same.py --save old.json
   PYTHONPATH=. python3 tools/mosaic_gpu_same.py --save new.json
   python3 tools/mosaic_gpu_same.py --compare old.json new.json [more.json]
+
+``--config fuse_dq=true`` (any ``MosaicGpuConfig`` fields) runs a variant.
 """
 
 from __future__ import annotations
@@ -30,13 +32,29 @@ def _digest(x) -> str:
   return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
 
 
-def _run(path: str, implementation: str, shrink: int) -> None:
+def _parse_config(items: list[str]) -> dict:
+  """``["fuse_dq=true", "stages=3"]`` -> MosaicGpuConfig fields."""
+  fields = {}
+  for item in items:
+    key, value = item.split("=", 1)
+    low = value.lower()
+    fields[key] = (low == "true") if low in ("true", "false") else int(value)
+  return fields
+
+
+def _run(path: str, implementation: str, shrink: int,
+         config: dict) -> None:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
   import jflash  # noqa: PLC0415
   from benchmarks.timing import TimerConfig, time_function  # noqa: PLC0415
+
+  if config:
+    from jflash.backends import (MosaicGpuBackend,  # noqa: PLC0415
+                                 MosaicGpuConfig)
+    implementation = MosaicGpuBackend(MosaicGpuConfig(**config))
 
   timer = TimerConfig(repeats=5, warmup=2)
   results = {}
@@ -104,11 +122,14 @@ def main() -> None:
   parser.add_argument("--implementation", default="mosaic_gpu")
   parser.add_argument("--shrink", type=int, default=1,
                       help="divide sequence lengths (a CPU smoke test)")
+  parser.add_argument("--config", nargs="*", default=[],
+                      help="MosaicGpuConfig fields, e.g. fuse_dq=true")
   args = parser.parse_args()
   if args.compare:
     _compare(*args.compare)
   else:
-    _run(args.save, args.implementation, args.shrink)
+    _run(args.save, args.implementation, args.shrink,
+         _parse_config(args.config))
 
 
 if __name__ == "__main__":
