@@ -50,7 +50,8 @@ def forward_candidates(head_dim: int) -> list[MosaicGpuConfig]:
     # bfloat16 copy, per thread of a warpgroup; the compiler decides the
     # rest, and spills show up in the timing.
     registers = (block_q * head_dim + 1.5 * block_q * block_kv) / 128
-    if smem <= _SMEM_BYTES - 8192 and registers <= 256:
+    # A loose filter: compiling reports the exact shared-memory overflow.
+    if smem <= _SMEM_BYTES and registers <= 256:
       found.append(MosaicGpuConfig(block_q=block_q, block_kv=block_kv,
                                    stages=stages))
   return found
