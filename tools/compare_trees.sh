@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On a Hopper machine: run tools/mosaic_gpu_same.py for each staged tree
+# (tools/stage_trees.sh) and configuration, then compare every run with the
+# first: bitwise identity of output and gradients, and TFLOP/s.  About 80 s
+# per run on an H200.
+#
+# Usage (from the repository root, carrying .trees):
+#   bash tools/compare_trees.sh main exp-a exp-b+fuse_dq=true \
+#       main+block_kv=192+stages=2
+# A run is a tree name under .trees/, optionally followed by
+# +field=value MosaicGpuConfig fields.  Results go to ${OUT:-out}/.
+# SAME_ARGS adds arguments to every run (on a CPU, a smoke test of this
+# script: SAME_ARGS="--implementation xla --shrink 64").
+set -uo pipefail
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_FLAGS="--xla_backend_optimization_level=3"
+PY="${PYTHON:-python3}"
+files=()
+for run in "$@"; do
+  IFS=+ read -r tree fields <<< "$run"
+  label="${run//[+=]/_}"
+  config=()
+  if [ -n "$fields" ]; then
+    IFS=+ read -r -a config <<< "$fields"
+    config=(--config "${config[@]}")
+  fi
+  echo "== $run"
+  PYTHONPATH=".trees/$tree" timeout "${RUN_TIMEOUT:-150}" "$PY" \
+    tools/mosaic_gpu_same.py --save "$OUT/$label.json" "${config[@]}" \
+    ${SAME_ARGS:-} 2>&1 \
+    | grep -E "^h=|Error|error" | tee "$OUT/$label.log"
+  [ -f "$OUT/$label.json" ] && files+=("$OUT/$label.json")
+done
+echo "== comparisons against $1"
+"$PY" tools/mosaic_gpu_same.py --compare "${files[@]}" | tee "$OUT/compare.log"
