@@ -296,8 +296,8 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
       _rows_metadata, mask, c.block_q_dq, c.block_kv_dq, pads)
   dq = backward.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
-      classes=classes, block_order=block_order, block_q=c.block_q_dq, block_kv=c.block_kv_dq,
-      stages=c.stages_dq, **common_args)
+      classes=classes, block_order=block_order, block_q=c.block_q_dq,
+      block_kv=c.block_kv_dq, stages=c.stages_dq, **common_args)
   # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
   # the two consumers then share their keys, one output each.
   split_outputs = pads.head_pad > 128

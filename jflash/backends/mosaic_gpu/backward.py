@@ -326,10 +326,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
 def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     q_order: Array, q_count: Array, classes: Array,
-                    block_order: Array, q_lengths: Array | None, kv_lengths: Array | None,
-                    q_segments: Array | None, kv_segments: Array | None,
-                    spec: MaskSpec, logits: LogitTransform, block_q: int,
-                    block_kv: int, stages: int,
+                    block_order: Array, q_lengths: Array | None,
+                    kv_lengths: Array | None, q_segments: Array | None,
+                    kv_segments: Array | None, spec: MaskSpec,
+                    logits: LogitTransform, block_q: int, block_kv: int,
+                    stages: int,
                     split_outputs: bool = False) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
