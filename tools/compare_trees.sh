@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a Hopper machine: run tools/mosaic_gpu_same.py for each staged tree
 # (tools/stage_trees.sh) and configuration, then compare every run with the
-# first: bitwise identity of output and gradients, and TFLOP/s.  About 80 s
+# first: bitwise identity of output and gradients, and TFLOP/s.  About 100 s
 # per run on an H200.
 #
 # Usage (from the repository root, carrying .trees):
