@@ -79,10 +79,16 @@ def _run(path: str, implementation: str, shrink: int,
       out, vjp = jax.vjp(attend, q, k, v)
       return (out, *vjp(cot))
     forward, both = jax.jit(attend), jax.jit(both)
-    values = both(q, k, v)
-    t_fwd = time_function(forward, [(q, k, v)], timer)["ms"] * 1e-3
-    t_both = time_function(both, [(q, k, v)], timer)["ms"] * 1e-3
     name = f"h={head_dim} s={seq} causal={causal} window={window}"
+    try:
+      values = both(q, k, v)
+      t_fwd = time_function(forward, [(q, k, v)], timer)["ms"] * 1e-3
+      t_both = time_function(both, [(q, k, v)], timer)["ms"] * 1e-3
+    except Exception as err:  # noqa: BLE001 (record and go on)
+      results[name] = dict(error=f"{type(err).__name__}: {str(err)[:200]}")
+      print(f"{name}: {results[name]['error']}", flush=True)
+      _write(path, results)
+      continue
     results[name] = dict(
         digests=[_digest(x) for x in values],
         finite=bool(all(np.isfinite(np.asarray(x, np.float32)).all()
@@ -91,6 +97,10 @@ def _run(path: str, implementation: str, shrink: int,
     print(f"{name}: fwd {results[name]['fwd']:6.1f} fwd+bwd "
           f"{results[name]['fwd_bwd']:6.1f} "
           f"finite={results[name]['finite']}", flush=True)
+    _write(path, results)  # a run cut short keeps what it measured
+
+
+def _write(path: str, results: dict) -> None:
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
 
@@ -108,8 +118,9 @@ def _compare_two(old_path: str, new_path: str) -> None:
     new = json.load(f)
   for name in old:
     a, b = old[name], new.get(name)
-    if b is None:
-      print(f"{name}: missing in {new_path}")
+    if b is None or "error" in a or "error" in b:
+      print(f"{name}: not comparable ({(b or {}).get('error', 'missing')}; "
+            f"{a.get('error', 'ran')} in {old_path})")
       continue
     same = [x == y for x, y in zip(a["digests"], b["digests"])]
     print(f"{name}: out/dq/dk/dv identical={same} fwd {a['fwd']:.1f} -> "
