@@ -246,6 +246,10 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
   # Forward, then dQ and dK/dV, or the one fused backward kernel.
   kernels = text.count("custom_call @mosaic_gpu")
   assert kernels == (2 if variant.get("fuse_dq") else 3)
+  backward_kernels = (("jflash_fused_backward",) if variant.get("fuse_dq")
+                      else ("jflash_dq", "jflash_dkv"))
+  for name in ("jflash_forward",) + backward_kernels:
+    assert f"{name}_mosaic_gpu" in text, name
   # Only the overlapped forward waits for all but the newest product.
   jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
   assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk"))

@@ -74,7 +74,8 @@ def main() -> None:
                           check=False)
     for line in (done.stdout + done.stderr).splitlines():
       low = line.lower()
-      if "===" in line or "spill" in low or "registers" in low:
+      if ("===" in line or "spill" in low or "registers" in low
+          or "function properties" in low):
         print(line, flush=True)
   rng = np.random.default_rng(int(time.time()))
   for head_dim, seq, causal in _CELLS:

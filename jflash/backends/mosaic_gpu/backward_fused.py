@@ -305,5 +305,6 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=3,
       thread_name="wg",
+      kernel_name="jflash_fused_backward",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, do, stats, q_order, q_count, classes, ranks, *extras)

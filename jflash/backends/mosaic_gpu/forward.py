@@ -247,6 +247,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       grid_names=("heads", "blocks"),
       num_threads=3,
       thread_name="wg",
+      kernel_name="jflash_forward",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, kv_order, kv_count, classes, block_order,
     *(optional[n] for n in optional_names))
