@@ -9,7 +9,7 @@ something else.
 
 Accuracy rules (FlashAttention's style):
   * float32 inputs: relative error against the float32 reference under
-    ``F32_TOL`` for the output and every gradient.
+    ``F32_TOL`` for the output and ``F32_GRAD_TOL`` for every gradient.
   * bfloat16/float16 inputs: error at most twice that of a plain
     materialized implementation in the same dtype (``jax.nn``'s ``xla``
     arithmetic), plus ``LOW_PRECISION_FLOOR``.
@@ -29,6 +29,14 @@ from tests._support import (Case, grads_of, lse_err, random_normal,
                             random_segments, rel_err)
 
 F32_TOL = 1e-5
+# Gradients get a wider float32 bound.  The backward's dS = P (dP - delta)
+# takes delta = rowsum(dO * O) rather than rowsum(P * dP) (FlashAttention's
+# identity, which needs no extra pass over the keys).  In a row that sees
+# one key, or is nearly one-hot, dP and delta agree to rounding, so dS is
+# of order eps * |dO| |V| where the exact value is zero; with scale 1 and
+# few visible pairs that reaches about 5e-5 of ||dQ|| (seen once in ~200
+# random combined cases), while a wrong mask or tile is off by 1e-2 or more.
+F32_GRAD_TOL = 1e-4
 LOW_PRECISION_FLOOR = 2e-3
 
 FEATURES = ("plain", "causal", "window", "causal_window", "lengths",
@@ -186,7 +194,7 @@ class AttentionConformance:
       assert float(jnp.abs(got[4].astype(jnp.float32)).max()) < 1e-3, info
       got[4] = want[4] = None
     if dtype == jnp.float32:
-      bounds = [F32_TOL] * 5
+      bounds = [F32_TOL] + [F32_GRAD_TOL] * 4
     else:
       p_out, p_grads = jax.jit(plain)(*case.arrays)
       bounds = [None if p is None else 2 * rel_err(p, w) + LOW_PRECISION_FLOOR
@@ -322,7 +330,7 @@ class AttentionConformance:
         return_residual=True))
     want = loss(lambda q, k, v: case.call_reference(q, k, v, None))
     for g, w in zip(got, want):
-      assert rel_err(g, w) < F32_TOL, f"seed={seed}"
+      assert rel_err(g, w) < F32_GRAD_TOL, f"seed={seed}"
 
   def test_fully_masked_rows_are_zero(self):
     rng, seed = new_rng()
