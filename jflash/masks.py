@@ -430,6 +430,38 @@ def tile_schedule(mask: AttentionMask, block_q: int, block_kv: int, *,
                       block_q, block_kv)
 
 
+def visited_in_reverse(order: Array, count: Array) -> Array:
+  """Each row's first ``count`` entries of ``order`` reversed (the visited
+  tiles in decreasing order when they were increasing); the unvisited
+  entries stay where they are.
+
+  Args:
+    order: int ``[..., m]``, e.g. ``q_order`` of a :class:`TileSchedule`.
+    count: int ``[...]``: how many leading entries are visited.
+  """
+  steps = jnp.arange(order.shape[-1])
+  backwards = jnp.where(steps < count[..., None],
+                        count[..., None] - 1 - steps, steps)
+  return jnp.take_along_axis(order, backwards, axis=-1)
+
+
+def earlier_visitors(visits: Array, order: Array) -> Array:
+  """At each step of each key block's visiting order, how many key blocks
+  before it visit the same query tile: the position of its contribution in
+  a fixed, key-block-ordered sum over the tile.
+
+  Args:
+    visits: bool ``[B, nq, nk]``: key block ``j`` visits query tile ``i``.
+    order: int ``[B, nk, m]``: each key block's query tiles, step by step.
+
+  Returns:
+    int32 ``[B, nk, m]``.
+  """
+  visits = visits.astype(jnp.int32)
+  earlier = jnp.cumsum(visits, axis=2) - visits  # [B, nq, nk]
+  return jnp.take_along_axis(jnp.swapaxes(earlier, 1, 2), order, axis=2)
+
+
 def heaviest_first(count: Array) -> Array:
   """An order in which to start independent blocks of work, longest first.
 

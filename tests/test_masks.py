@@ -209,6 +209,29 @@ def test_heaviest_first_starts_the_longest_blocks_first():
       [3, 7, 2, 6, 1, 5, 0, 4])
 
 
+def test_visited_in_reverse_and_earlier_visitors():
+  rng, seed = _seeded()
+  visits = rng.random((2, 5, 4)) < 0.6  # [B, nq, nk]
+  sched = masks.tile_schedule(
+      random_mask(rng, 2, 40, 40, causal=True, window=True, lengths=False,
+                  segments=False, dense=False)[0], 8, 10)
+  order, count = np.asarray(sched.q_order), np.asarray(sched.q_count)
+  got = np.asarray(masks.visited_in_reverse(jnp.asarray(order),
+                                            jnp.asarray(count)))
+  for idx in np.ndindex(count.shape):
+    n = count[idx]
+    np.testing.assert_array_equal(
+        got[idx], np.concatenate([order[idx][:n][::-1], order[idx][n:]]),
+        str(seed))
+  # Ranks: for key block j at a step visiting query tile i, the number of
+  # key blocks before j that visit i.
+  steps = rng.integers(0, 5, (2, 4, 6))
+  ranks = np.asarray(masks.earlier_visitors(jnp.asarray(visits),
+                                            jnp.asarray(steps)))
+  for b, j, s in np.ndindex(steps.shape):
+    assert ranks[b, j, s] == visits[b, steps[b, j, s], :j].sum(), seed
+
+
 def test_rows_with_visible_keys():
   rng, seed = _seeded()
   mask, vis = random_mask(rng, 2, 30, 20, causal=True, window=True,

@@ -216,17 +216,13 @@ def _fused_keys_metadata(mask, block_q, block_kv, pads):
   # Nonempty query tiles in decreasing order: under a causal mask every key
   # block then starts on the last tile, and a tile's contributors come one
   # right after another.
-  steps = jnp.arange(order.shape[2])
-  backwards = jnp.where(steps < count[..., None], count[..., None] - 1 - steps,
-                        steps)
-  order = jnp.take_along_axis(order, backwards, axis=2)
+  order = masks.visited_in_reverse(order, count)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   classes = _classes_per_step(classes, order)
   visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
   visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
-                    pads.kv_pad // (2 * block_kv)).astype(jnp.int32)
-  earlier = jnp.cumsum(visits, axis=2) - visits  # [B, q tiles, key blocks]
-  ranks = jnp.take_along_axis(jnp.swapaxes(earlier, 1, 2), order, axis=2)
+                    pads.kv_pad // (2 * block_kv))
+  ranks = masks.earlier_visitors(visits, order)
   return order, count, classes, ranks, visits.any(axis=2)
 
 
