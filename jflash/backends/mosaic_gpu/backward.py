@@ -321,7 +321,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       num_threads=3,
       thread_name="wg",
       kernel_name="jflash_dq",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=common.COMPILER_PARAMS,
   )(q, k, v, do, stats, kv_order, kv_count, classes, block_order, *extras)
 
 
@@ -509,6 +509,6 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       num_threads=3,
       thread_name="wg",
       kernel_name="jflash_dkv",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=common.COMPILER_PARAMS,
   )(q, k, v, do, stats, q_order, q_count, classes, block_order, *extras)
   return dk, dv

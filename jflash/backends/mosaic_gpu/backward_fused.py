@@ -306,5 +306,5 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       num_threads=3,
       thread_name="wg",
       kernel_name="jflash_fused_backward",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=common.COMPILER_PARAMS,
   )(q, k, v, do, stats, q_order, q_count, classes, ranks, *extras)

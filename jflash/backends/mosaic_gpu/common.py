@@ -30,6 +30,12 @@ M_INIT = -1e30
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
+# Row reductions of WGMMA-layout tiles stay inside a warp (a row lives in
+# four threads of one quad), so the kernels need no shared-memory scratch
+# for cross-warp reductions; its default 2 KiB is left to the tiles.
+COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
+                                       reduction_scratch_bytes=0)
+
 TILING = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)
 

@@ -248,7 +248,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       num_threads=3,
       thread_name="wg",
       kernel_name="jflash_forward",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=common.COMPILER_PARAMS,
   )(q, k, v, kv_order, kv_count, classes, block_order,
     *(optional[n] for n in optional_names))
   return out, lse
