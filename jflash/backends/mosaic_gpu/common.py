@@ -12,6 +12,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from jflash import masks
 
@@ -35,6 +36,35 @@ PRODUCER_REGISTERS = 40
 # for cross-warp reductions; its default 2 KiB is left to the tiles.
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
                                        reduction_scratch_bytes=0)
+
+# Hardware named barriers 0 (CTA-wide) and 1-3 (one per warpgroup) are
+# taken by Mosaic GPU; the forward's two consumers hand the tensor cores to
+# each other through barriers SCHEDULE_BARRIER + warpgroup.
+SCHEDULE_BARRIER = 4
+
+
+def _named_barrier(operation: str, barrier_id: Array, threads: int) -> None:
+  """``bar.<operation> barrier_id, threads`` for the whole warpgroup."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  def barrier(_, barrier_id):
+    mgpu_utils.inline_ptx(f"bar.{operation} $0, {threads};",
+                     barrier_id.registers[()], has_side_effects=True,
+                     convergent=True)
+  barrier(barrier_id.astype(jnp.int32))
+
+
+def wait_turn(wg: Array) -> None:
+  """Consumer ``wg`` (0 or 1) waits until the other consumer has passed it
+  the turn (:func:`pass_turn`): a ``bar.sync`` of 256 threads on its own
+  schedule barrier, which the other's 128 arriving threads complete."""
+  _named_barrier("sync", SCHEDULE_BARRIER + wg, 256)
+
+
+def pass_turn(wg: Array) -> None:
+  """Consumer ``wg`` passes the turn to the other consumer without waiting
+  (``bar.arrive`` on the other's schedule barrier)."""
+  _named_barrier("arrive", SCHEDULE_BARRIER + 1 - wg, 256)
+
 
 TILING = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)

@@ -5,9 +5,10 @@ that visit the most tiles launched first, with three warpgroups:
 
 * two consumer warpgroups, each owning ``block_q`` query rows: ``Q K^T`` on
   the tensor cores (``wgmma``), online softmax in float32 registers (base-2
-  exponent, scale folded in), ``P V`` on the tensor cores.  A shared
-  "schedule" barrier makes them alternate, so that one's softmax overlaps the
-  other's matrix products;
+  exponent, scale folded in), ``P V`` on the tensor cores.  Two hardware
+  named barriers make them alternate (each passes the turn after issuing
+  ``Q K^T`` without waiting, and waits for it before ``P V``), so that one's
+  softmax overlaps the other's matrix products;
 * one producer warpgroup that streams the nonempty K/V tiles of the CTA's
   row block (from :func:`jflash.masks.tile_schedule`) through a ring of
   ``stages`` shared-memory buffers with TMA, waiting on "consumed" barriers
@@ -95,12 +96,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
 
     def body(qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kvseg_smem,
-             k_ready, v_ready, q_ready, kvseg_ready, k_free, v_free,
-             schedule):
-
-      def take_turn():
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
+             k_ready, v_ready, q_ready, kvseg_ready, k_free, v_free):
 
       @pl.when(wg < 2)
       def _consumer():
@@ -142,7 +138,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
           def qk_product(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            take_turn()
+            common.pass_turn(wg)
             return acc_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
@@ -156,13 +152,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             l = l + p.sum(axis=1)
             acc, l, m_new, p_low = lax.optimization_barrier(
                 (acc, l, m_new, p_low))
-            plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(schedule)
+            common.wait_turn(wg)
           else:
-            plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(schedule)
+            common.wait_turn(wg)
             l = l + p.sum(axis=1)
 
           def pv_product(acc_ref):
@@ -183,19 +177,24 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         @pl.when(count > 0)
         def _():
           plgpu.barrier_wait(k_ready.at[0])
-        pl.when(wg == 1)(take_turn)
+        # The consumers alternate on the tensor cores: each passes the turn
+        # after issuing Q K^T and waits for it before P V.  The second
+        # starts by waiting and the first ends by passing, so that every
+        # wait has its pass.
+        pl.when(wg == 1)(lambda: common.wait_turn(wg))
         if overlap_qk:
           acc, m, l = _overlapped_steps(
               acc, m, l, count=count, stages=stages, tile=tile, dtype=dtype,
               logits=logits, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
               k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
-              take_turn=take_turn,
+              wait_turn=lambda: common.wait_turn(wg),
+              pass_turn=lambda: common.pass_turn(wg),
               is_full=lambda i: class_ref[b, q_block, i, wg] == masks.FULL,
               kv_segments_at=kv_segments_at,
               masked=lambda s, i, kv_seg: masked(s, tile_at(i), kv_seg))
         else:
           acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
-        pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(lambda: common.pass_turn(wg))
 
         seen = l > 0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
@@ -235,7 +234,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         plgpu.Barrier(num_barriers=stages) if segments else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
 
@@ -276,16 +274,20 @@ def _exponentials(qk: Array, m: Array, *, full, masked,
 
 def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
                       qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
-                      v_free, take_turn, is_full, kv_segments_at, masked):
+                      v_free, wait_turn, pass_turn, is_full, kv_segments_at,
+                      masked):
   """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
 
-  Step ``j`` issues ``S_j = Q K_j^T`` and then ``O += P_{j-1} V_{j-1}``,
-  takes its turn on the schedule barrier, waits for ``S_j`` only (the older
+  Step ``j`` waits for its turn, issues ``S_j = Q K_j^T`` and then ``O +=
+  P_{j-1} V_{j-1}``, passes the turn, waits for ``S_j`` only (the older
   product may still run), computes ``P_j`` and the new row maximum while
   ``P V`` finishes, then rescales ``O``.  A first step computes ``S_0``
   alone and a last one adds ``P V`` of the final tile.  Expects ``K_0``
-  waited for; each consumer of a CTA takes ``count + 1`` turns (both have
-  the same ``count``).  Returns ``(acc, m, l)`` as the plain loop does.
+  waited for, and the turn taken as in the plain loop: each group of
+  products is issued after ``wait_turn`` (except the first consumer's
+  first) and followed by ``pass_turn`` (except after the last, where the
+  caller's final pass of the first consumer balances the second's waits).
+  Returns ``(acc, m, l)`` as the plain loop does.
   """
   def update(qk, m, l, i, kv_seg):
     """float32 probabilities, new maximum, rescale factor, new row sums."""
@@ -305,7 +307,7 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
 
     def qk_product(s_ref):
       plgpu.wgmma(s_ref, qo_smem, k_smem.at[0].transpose((1, 0)))
-      take_turn()
+      pass_turn()
       return s_ref[...]
     qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
     plgpu.barrier_arrive(k_free.at[0])
@@ -323,9 +325,10 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
       o_ref, m_ref, l_ref, p_ref, rescale_ref = refs  # p_ref: float32
 
       def with_scores(s_ref):
+        wait_turn()
         plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-        take_turn()
+        pass_turn()
         qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, not P V
         plgpu.barrier_arrive(k_free.at[slot])
         p, m_new, rescale, l_new = update(qk, m, l, j, kv_seg)
@@ -349,8 +352,8 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
     plgpu.barrier_wait(v_ready.at[slot])
 
     def pv_product(o_ref):
+      wait_turn()
       plgpu.wgmma(o_ref, p, v_smem.at[slot])
-      take_turn()
     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_free.at[slot])
     return acc, m, l, p
