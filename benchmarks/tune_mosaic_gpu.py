@@ -74,7 +74,8 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
             itertools.product((1, 2, 3), (1, 2, 3))]
   groups = [dq, dkv, stages]
   if head_dim <= 128:  # the one-pass backward's range
-    groups.append([dict(fuse_dq=False), dict(fuse_dq=True)])
+    groups.append([dict(fuse_dq=False)] + [
+        dict(fuse_dq=True, dq_slots=n) for n in (1, 2, 4, 8)])
   return groups
 
 

@@ -445,21 +445,54 @@ def visited_in_reverse(order: Array, count: Array) -> Array:
   return jnp.take_along_axis(order, backwards, axis=-1)
 
 
-def earlier_visitors(visits: Array, order: Array) -> Array:
+def earlier_visitors(visits: Array, order: Array, slots: int = 1) -> Array:
   """At each step of each key block's visiting order, how many key blocks
   before it visit the same query tile: the position of its contribution in
   a fixed, key-block-ordered sum over the tile.
 
+  With ``slots > 1`` the contributions go to ``slots`` separate sums, key
+  block ``j`` to sum ``j % slots``, and only key blocks of the same sum
+  count.
+
   Args:
     visits: bool ``[B, nq, nk]``: key block ``j`` visits query tile ``i``.
     order: int ``[B, nk, m]``: each key block's query tiles, step by step.
+    slots: the number of separate sums (at least 1).
 
   Returns:
     int32 ``[B, nk, m]``.
   """
-  visits = visits.astype(jnp.int32)
-  earlier = jnp.cumsum(visits, axis=2) - visits  # [B, nq, nk]
+  if slots < 1:
+    raise ValueError(f"slots must be at least 1, got {slots}")
+  batch, nq, nk = visits.shape
+  padded = -(-nk // slots) * slots
+  visits = jnp.pad(visits.astype(jnp.int32),
+                   ((0, 0), (0, 0), (0, padded - nk)))
+  # Key block j = g * slots + r sits at [g, r]: count along g.
+  grouped = visits.reshape(batch, nq, padded // slots, slots)
+  earlier = (jnp.cumsum(grouped, axis=2) - grouped).reshape(
+      batch, nq, padded)[:, :, :nk]
   return jnp.take_along_axis(jnp.swapaxes(earlier, 1, 2), order, axis=2)
+
+
+def visited_per_slot(visits: Array, slots: int) -> Array:
+  """Whether any key block of sum ``r`` (key blocks ``j`` with
+  ``j % slots == r``) visits each query tile.
+
+  Args:
+    visits: bool ``[B, nq, nk]``, as for :func:`earlier_visitors`.
+    slots: the number of separate sums (at least 1).
+
+  Returns:
+    bool ``[slots, B, nq]``.
+  """
+  if slots < 1:
+    raise ValueError(f"slots must be at least 1, got {slots}")
+  batch, nq, nk = visits.shape
+  padded = -(-nk // slots) * slots
+  visits = jnp.pad(visits, ((0, 0), (0, 0), (0, padded - nk)))
+  grouped = visits.reshape(batch, nq, padded // slots, slots)
+  return jnp.moveaxis(grouped.any(axis=2), -1, 0)
 
 
 def heaviest_first(count: Array) -> Array:

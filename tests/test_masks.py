@@ -232,6 +232,25 @@ def test_visited_in_reverse_and_earlier_visitors():
     assert ranks[b, j, s] == visits[b, steps[b, j, s], :j].sum(), seed
 
 
+@pytest.mark.parametrize("slots", [1, 2, 3, 5])
+def test_earlier_visitors_and_visited_per_slot(slots):
+  rng, seed = _seeded()
+  nq, nk = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+  visits = rng.random((2, nq, nk)) < 0.6  # [B, nq, nk]
+  steps = rng.integers(0, nq, (2, nk, 5))
+  ranks = np.asarray(masks.earlier_visitors(
+      jnp.asarray(visits), jnp.asarray(steps), slots=slots))
+  for b, j, s in np.ndindex(steps.shape):
+    same_sum = [i for i in range(j) if i % slots == j % slots]
+    assert ranks[b, j, s] == visits[b, steps[b, j, s], same_sum].sum(), seed
+  per_slot = np.asarray(masks.visited_per_slot(jnp.asarray(visits), slots))
+  assert per_slot.shape == (slots, 2, nq)
+  for r, b, i in np.ndindex(per_slot.shape):
+    assert per_slot[r, b, i] == visits[b, i, r::slots].any(), seed
+  with pytest.raises(ValueError, match="slots"):
+    masks.earlier_visitors(jnp.asarray(visits), jnp.asarray(steps), slots=0)
+
+
 def test_rows_with_visible_keys():
   rng, seed = _seeded()
   mask, vis = random_mask(rng, 2, 30, 20, causal=True, window=True,

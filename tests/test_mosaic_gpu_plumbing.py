@@ -29,7 +29,8 @@ def _rng():
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
                                          ("overlap_qk", "yes"),
-                                         ("block_q_dq", 64.0)])
+                                         ("block_q_dq", 64.0),
+                                         ("dq_slots", 0), ("dq_slots", 2.0)])
 def test_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=f"MosaicGpuConfig.{field}"):
     MosaicGpuConfig(**{field: value})
@@ -41,11 +42,12 @@ def test_fused_backward_rejects_head_dim_256():
   assert MosaicGpuConfig(fuse_dq=True).resolved(100).fuse_dq
 
 
-def test_fused_backward_ranks_order_every_query_tile():
+@pytest.mark.parametrize("dq_slots", [1, 2, 3])
+def test_fused_backward_ranks_order_every_query_tile(dq_slots):
   """Each key block visits its query tiles in decreasing order; for each
-  query tile, the key blocks visiting it get ranks 0, 1, 2, ... in
-  key-block order; the visited flags mark exactly the query tiles some key
-  block visits."""
+  query tile and accumulator, the key blocks adding to it get ranks 0, 1,
+  2, ... in key-block order; the visited flags mark exactly the query tiles
+  some key block adds to each accumulator."""
   rng = _rng()
   batch, t, s = 2, 333, 300
   mask = masks.AttentionMask(
@@ -55,27 +57,34 @@ def test_fused_backward_ranks_order_every_query_tile():
       kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
   plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),
-                          config=MosaicGpuConfig(fuse_dq=True).resolved(128),
+                          config=MosaicGpuConfig(
+                              fuse_dq=True, block_kv_dkv=64,
+                              dq_slots=dq_slots).resolved(128),
                           head_dim=128)
   bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
   pads = mosaic_gpu._padding(mask, plan)
+  slots = mosaic_gpu._fused_slots(plan.config, pads)
+  assert slots == min(dq_slots, pads.kv_pad // (2 * bk))
   order, count, _, ranks, visited = map(
-      np.asarray, mosaic_gpu._fused_keys_metadata(mask, bq, bk, pads))
+      np.asarray, mosaic_gpu._fused_keys_metadata(mask, bq, bk, pads,
+                                                  slots=slots))
+  assert visited.shape[:2] == (slots, batch)
   visible = np.asarray(mask.visibility())[:, 0]
   for b in range(batch):
-    seen = {}
+    seen = {}  # (accumulator, query tile) -> contributions so far
     for j in range(order.shape[1]):  # key blocks in grid order
       visiting = order[b, j, :count[b, j]]
       assert np.all(np.diff(visiting) < 0)  # decreasing query tiles
       for step in range(count[b, j]):
-        q_tile = order[b, j, step]
-        assert ranks[b, j, step] == seen.get(q_tile, 0)
-        seen[q_tile] = seen.get(q_tile, 0) + 1
-    for q_tile in range(visited.shape[1]):
+        key = (j % slots, order[b, j, step])
+        assert ranks[b, j, step] == seen.get(key, 0)
+        seen[key] = seen.get(key, 0) + 1
+    for q_tile in range(visited.shape[2]):
       rows = visible[b, q_tile * bq:(q_tile + 1) * bq]
-      assert visited[b, q_tile] == (q_tile in seen)
+      for r in range(slots):
+        assert visited[r, b, q_tile] == ((r, q_tile) in seen)
       if rows.any():
-        assert q_tile in seen
+        assert any((r, q_tile) in seen for r in range(slots))
 
 
 def test_config_resolves_per_head_dim():
@@ -203,8 +212,10 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
-                                     dict(fuse_dq=True)],
-                         ids=["default", "overlap_qk", "fuse_dq"])
+                                     dict(fuse_dq=True),
+                                     dict(fuse_dq=True, dq_slots=1)],
+                         ids=["default", "overlap_qk", "fuse_dq",
+                              "fuse_dq_one_slot"])
 @pytest.mark.parametrize("head_dim,features", [
     (128, dict(is_causal=True, lengths=True)),
     (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),

@@ -206,12 +206,18 @@ def _shared_keys_metadata(mask, block_q, block_kv, pads):
           masks.heaviest_first(count))
 
 
-def _fused_keys_metadata(mask, block_q, block_kv, pads):
+def _fused_slots(config, pads: _Padded) -> int:
+  """dQ accumulators of the fused backward: as configured, but no more than
+  there are key blocks (CTAs) per row."""
+  return min(config.dq_slots, pads.kv_pad // (2 * config.block_kv_dkv))
+
+
+def _fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
   """The fused backward's metadata: the dK/dV schedule with each key
   block's query tiles in decreasing order, the rank of each step's query
-  tile among the key blocks visiting it (``[B, Sp / (2 block_kv), Tp /
-  block_q]``), and which query tiles any key block visits (``[B, Tp /
-  block_q]``)."""
+  tile among the key blocks of the same accumulator visiting it (``[B,
+  Sp / (2 block_kv), Tp / block_q]``), and which query tiles each
+  accumulator receives (``[slots, B, Tp / block_q]``)."""
   order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
   # Nonempty query tiles in decreasing order: under a causal mask every key
   # block then starts on the last tile, and a tile's contributors come one
@@ -222,8 +228,8 @@ def _fused_keys_metadata(mask, block_q, block_kv, pads):
   visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
   visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // (2 * block_kv))
-  ranks = masks.earlier_visitors(visits, order)
-  return order, count, classes, ranks, visits.any(axis=2)
+  ranks = masks.earlier_visitors(visits, order, slots)
+  return order, count, classes, ranks, masks.visited_per_slot(visits, slots)
 
 
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
@@ -277,15 +283,24 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   common_args = dict(spec=plan.spec, logits=plan.logits, **extras)
   t, s, h = mask.q_len, mask.kv_len, plan.head_dim
   if c.fuse_dq:
+    slots = _fused_slots(c, pads)
     order, count, classes, ranks, visited = _metadata(
-        _fused_keys_metadata, mask, c.block_q_dkv, c.block_kv_dkv, pads)
-    dq_sum, dk, dv = backward_fused.fused_backward_call(
+        functools.partial(_fused_keys_metadata, slots=slots), mask,
+        c.block_q_dkv, c.block_kv_dkv, pads)
+    dq_sums, dk, dv = backward_fused.fused_backward_call(
         qp, kp, vp, dop, stats, q_order=order, q_count=count,
         classes=classes, ranks=ranks, block_q=c.block_q_dkv,
-        block_kv=c.block_kv_dkv, stages=c.stages_dkv, **common_args)
-    # Query tiles that no key block visits were never written.
-    rows = jnp.repeat(visited, c.block_q_dkv, axis=1)[:, :, None, None]
-    dq = jnp.where(rows, dq_sum * plan.logits.scale, 0.0).astype(q.dtype)
+        block_kv=c.block_kv_dkv, stages=c.stages_dkv, slots=slots,
+        **common_args)
+    dq_sums = dq_sums.reshape((slots, -1) + dq_sums.shape[1:])
+    # Summed in accumulator order; query tiles that an accumulator does not
+    # receive were never written.
+    dq = None
+    for r in range(slots):
+      rows = jnp.repeat(visited[r], c.block_q_dkv, axis=1)[:, :, None, None]
+      part = jnp.where(rows, dq_sums[r], 0.0)
+      dq = part if dq is None else dq + part
+    dq = (dq * plan.logits.scale).astype(q.dtype)
     return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 
   order, count, classes, block_order = _metadata(

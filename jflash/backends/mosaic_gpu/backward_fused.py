@@ -10,7 +10,11 @@ query tile) a global semaphore counts the adds done so far, and the CTA of
 key block ``j`` adds only once the count equals its rank, the number of
 key blocks before ``j`` that visit that tile.  The first contributor stores
 instead of adding, so the accumulator needs no zero fill; query tiles that
-no key block visits are zeroed by the caller.
+no key block visits are zeroed by the caller.  With ``slots > 1`` there
+are that many accumulators: key block ``j`` adds into accumulator
+``j % slots`` and waits only for the earlier key blocks of that
+accumulator, so that ``slots`` key blocks can add to a tile at once; the
+caller sums the accumulators in a fixed order.
 
 One CTA per (key/value head, ``2 * block_kv`` keys, batch row), three
 warpgroups, as in FlashAttention-3's backward:
@@ -69,8 +73,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                         q_lengths: Array | None, kv_lengths: Array | None,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
-                        block_kv: int,
-                        stages: int) -> tuple[Array, Array, Array]:
+                        block_kv: int, stages: int,
+                        slots: int = 1) -> tuple[Array, Array, Array]:
   """dQ (unscaled, float32), dK and dV on padded inputs.
 
   Args:
@@ -81,20 +85,26 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       per CTA, as for
       :func:`~jflash.backends.mosaic_gpu.backward.dkv_kernel_call`.
     ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
-      ``q_order``, how many key blocks before this one visit the same query
-      tile.
+      ``q_order``, how many key blocks before this one and of the same
+      accumulator (:func:`jflash.masks.earlier_visitors` with ``slots``)
+      visit the same query tile.
+    slots: the number of dQ accumulators.
 
   Returns:
-    ``dq_sum [B, Tp, N, Hp]`` float32, the sum of ``dS K`` over visiting key
-    blocks (times ``scale`` it is dQ; rows of query tiles that no key block
-    visits are left unwritten), and ``dk``, ``dv`` ``[B, Sp, K, Hp]`` in the
-    input dtype.
+    ``dq_sums [slots * B, Tp, N, Hp]`` float32, accumulator ``r`` of batch
+    row ``b`` at ``r * B + b``: the sum of ``dS K`` over the visiting key
+    blocks ``j`` with ``j % slots == r`` (summed over ``r`` and times
+    ``scale`` it is dQ; rows of query tiles that no such key block visits
+    are left unwritten), and ``dk``, ``dv`` ``[B, Sp, K, Hp]`` in the input
+    dtype.
   """
   batch, q_pad, num_heads, head_dim = q.shape
   kv_pad, num_kv_heads = k.shape[1], k.shape[2]
   if head_dim > 128:
     raise ValueError(f"the fused backward serves head dims up to 128, got "
                      f"{head_dim}")
+  if slots < 1:
+    raise ValueError(f"slots must be at least 1, got {slots}")
   group = num_heads // num_kv_heads
   num_q_tiles = q_pad // block_q
   dtype = q.dtype
@@ -115,8 +125,10 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
     q_length = common.scalar_or_none(named.get("q_lengths"), b)
     kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
+    # This key block's accumulator, as a row of the flattened [slots * B].
+    acc_row = lax.rem(kv_block, slots) * batch + b
     turns = pl.get_global(plgpu.SemaphoreType.REGULAR(
-        (batch * num_heads * num_q_tiles,)))
+        (slots * batch * num_heads * num_q_tiles,)))
 
     def head_and_tile(i):
       # Step i visits query head kv_head * group + i // count, tile i % count.
@@ -230,13 +242,14 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
 
         def turn_of(i):
           head, q_tile = head_and_tile(i)
-          return turns.at[(b * num_heads + head) * num_q_tiles + q_tile]
+          return turns.at[(acc_row * num_heads + head) * num_q_tiles
+                          + q_tile]
 
         @pl.loop(0, steps)
         def _add(i):
           head, q_tile = head_and_tile(i)
           rank = rank_ref[b, kv_block, lax.rem(i, count)]
-          target = dq_ref.at[b, pl.ds(q_tile * block_q, block_q), head]
+          target = dq_ref.at[acc_row, pl.ds(q_tile * block_q, block_q), head]
           plgpu.barrier_wait(dq_ready)
           plgpu.semaphore_wait(turn_of(i), rank, decrement=False,
                                memory_scope="gpu")
@@ -298,9 +311,10 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
     )
 
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  dq_type = jax.ShapeDtypeStruct((slots * batch,) + q.shape[1:], jnp.float32)
   return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), kv_type, kv_type),
+      out_type=(dq_type, kv_type, kv_type),
       grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=3,

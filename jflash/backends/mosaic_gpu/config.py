@@ -39,6 +39,14 @@ class MosaicGpuConfig:
       contribution into a float32 accumulator in a fixed order
       (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
       products per tile instead of seven.  Head dims up to 128.
+    dq_slots: how many float32 dQ accumulators the fused backward adds
+      into (at least 1).  Key block ``j`` adds into accumulator
+      ``j % dq_slots``, in key-block order within each, and the
+      accumulators are summed after the kernel, so the result stays
+      deterministic.  With one accumulator the CTA of key block ``j`` waits
+      about ``j`` steps for its first turn; with ``n`` it waits about
+      ``j / n``.  Each accumulator takes ``4 * B * T * N * H`` bytes of
+      device memory.  Only read when ``fuse_dq`` is set.
   """
 
   block_q: int | None = None
@@ -52,6 +60,7 @@ class MosaicGpuConfig:
   stages_dkv: int | None = None
   overlap_qk: bool | None = None
   fuse_dq: bool | None = None
+  dq_slots: int | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -66,7 +75,11 @@ class MosaicGpuConfig:
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"MosaicGpuConfig.{field.name} must be an int or "
                          f"None, got {value!r}")
-      if field.name.startswith("stages"):
+      if field.name == "dq_slots":
+        if value < 1:
+          raise ValueError(f"MosaicGpuConfig.dq_slots must be at least 1, "
+                           f"got {value}")
+      elif field.name.startswith("stages"):
         least = 2 if field.name == "stages" else 1
         if value < least:
           raise ValueError(f"MosaicGpuConfig.{field.name} must be at least "
@@ -95,15 +108,15 @@ _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
-                        fuse_dq=False),
+                        fuse_dq=False, dq_slots=4),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False),
+                         fuse_dq=False, dq_slots=4),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False),
+                         fuse_dq=False, dq_slots=4),
 }
 
 
