@@ -25,7 +25,8 @@ import json
 # (head dim, sequence length, causal, window); B * S = 16384, N * H = 2048.
 _CELLS = ((128, 16384, False, None), (128, 16384, True, None),
           (128, 4096, True, None), (64, 4096, True, None),
-          (256, 4096, False, None), (128, 16384, True, (1024, 0)))
+          (256, 4096, False, None), (128, 16384, True, (1024, 0)),
+          (128, 1024, False, None), (128, 1024, True, None))
 
 
 def _digest(x) -> str:
