@@ -74,8 +74,10 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
             itertools.product((1, 2, 3), (1, 2, 3))]
   groups = [dq, dkv, stages]
   if head_dim <= 128:  # the one-pass backward's range
+    # The fused backward replaces the dQ pass, whose fields it rejects.
+    no_dq_pass = dict(block_q_dq=None, block_kv_dq=None, stages_dq=None)
     groups.append([dict(fuse_dq=False)] + [
-        dict(fuse_dq=True, dq_slots=n) for n in (1, 2, 4, 8)])
+        dict(fuse_dq=True, dq_slots=n, **no_dq_pass) for n in (1, 2, 4, 8)])
   return groups
 
 

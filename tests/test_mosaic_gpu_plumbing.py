@@ -42,6 +42,25 @@ def test_fused_backward_rejects_head_dim_256():
   assert MosaicGpuConfig(fuse_dq=True).resolved(100).fuse_dq
 
 
+@pytest.mark.parametrize("fields", [dict(dq_slots=2),
+                                    dict(dq_slots=2, fuse_dq=False),
+                                    dict(fuse_dq=True, block_q_dq=128),
+                                    dict(fuse_dq=True, block_kv_dq=64),
+                                    dict(fuse_dq=True, stages_dq=3)])
+def test_config_rejects_fields_of_a_pass_that_does_not_run(fields):
+  name = next(n for n in fields if n != "fuse_dq")
+  with pytest.raises(ValueError, match=f"MosaicGpuConfig.{name}=.*no effect"):
+    MosaicGpuConfig(**fields).resolved(128)
+  # The same fields with the pass that reads them are accepted, and so is
+  # the default value with either.
+  fuse = "dq_slots" in fields
+  ok = dict(fields, fuse_dq=fuse)
+  assert getattr(MosaicGpuConfig(**ok).resolved(128), name) == fields[name]
+  default = getattr(mosaic_gpu.default_config(128), name)
+  for fuse_dq in (False, True):
+    MosaicGpuConfig(**{name: default, "fuse_dq": fuse_dq}).resolved(128)
+
+
 @pytest.mark.parametrize("dq_slots", [1, 2, 3])
 def test_fused_backward_ranks_order_every_query_tile(dq_slots):
   """Each key block visits its query tiles in decreasing order; for each

@@ -113,8 +113,10 @@ class _Padded:
 def _padding(mask: masks.AttentionMask, plan: _Plan) -> _Padded:
   c = plan.config
   # Every pass tiles the same padded extent.
-  q_multiple = math.lcm(2 * c.block_q, 2 * c.block_q_dq, c.block_q_dkv)
-  kv_multiple = math.lcm(c.block_kv, c.block_kv_dq, 2 * c.block_kv_dkv)
+  # The fused backward runs no separate dQ pass.
+  dq_q, dq_kv = (1, 1) if c.fuse_dq else (2 * c.block_q_dq, c.block_kv_dq)
+  q_multiple = math.lcm(2 * c.block_q, dq_q, c.block_q_dkv)
+  kv_multiple = math.lcm(c.block_kv, dq_kv, 2 * c.block_kv_dkv)
   return _Padded(round_up(mask.q_len, q_multiple),
                  round_up(mask.kv_len, kv_multiple),
                  padded_head_dim(plan.head_dim))

@@ -6,6 +6,9 @@ import dataclasses
 
 
 _SWITCHES = ("overlap_qk", "fuse_dq")
+# Fields read only with fuse_dq=True, and only with fuse_dq=False.
+_FUSED_ONLY = ("dq_slots",)
+_DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +23,10 @@ class MosaicGpuConfig:
   tiles: dQ keeps ``block_q_dq`` query rows per warpgroup and streams
   ``block_kv_dq`` keys; dK/dV keeps ``block_kv_dkv`` keys per warpgroup and
   streams ``block_q_dkv`` queries (at head dim 256 both warpgroups share
-  their keys, one accumulating dK and the other dV).
+  their keys, one accumulating dK and the other dV).  A field of a pass
+  that does not run (the dQ pass fields with ``fuse_dq=True``,
+  ``dq_slots`` without it) must be left at its default; another value
+  raises ``ValueError`` when the configuration is resolved.
 
   Attributes:
     block_q: forward query rows per consumer warpgroup (multiple of 64).
@@ -89,7 +95,14 @@ class MosaicGpuConfig:
                          f"multiple of 64, got {value}")
 
   def resolved(self, head_dim: int) -> "MosaicGpuConfig":
-    """Every ``None`` field filled from :func:`default_config`."""
+    """Every ``None`` field filled from :func:`default_config`.
+
+    Raises:
+      ValueError: ``fuse_dq`` at a head dim above 128, or a field set to a
+        value other than its default for a pass the configuration does not
+        run (``dq_slots`` without the fused backward; the dQ pass fields
+        with it).
+    """
     base = default_config(head_dim)
     config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -97,6 +110,19 @@ class MosaicGpuConfig:
     if config.fuse_dq and padded_head_dim(head_dim) > 128:
       raise ValueError(f"MosaicGpuConfig.fuse_dq serves head dims up to 128, "
                        f"got head dim {head_dim}")
+    # A value other than the default for a pass that does not run would be
+    # dropped without effect: refuse it.  (Copies of a default row, e.g.
+    # ``dataclasses.replace(default_config(h), ...)``, carry every field.)
+    unused = _FUSED_ONLY if not config.fuse_dq else _DQ_PASS_ONLY
+    for name in unused:
+      if getattr(self, name) not in (None, getattr(base, name)):
+        raise ValueError(
+            f"MosaicGpuConfig.{name}={getattr(self, name)!r} has no effect "
+            f"with fuse_dq={config.fuse_dq}: "
+            + ("it sets the fused backward, which fuse_dq=True selects"
+               if not config.fuse_dq else
+               "it sets the separate dQ pass, which the fused backward "
+               "replaces"))
     return config
 
 
