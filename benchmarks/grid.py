@@ -20,6 +20,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -32,7 +33,7 @@ from benchmarks.cells import (FULL, PASS_FLOP_FACTOR, PASSES, TINY, Cell,
                               forward_flops, make_segment_ids, tflops,
                               visible_pairs)
 from benchmarks.impls import Impl, Unsupported
-from benchmarks.timing import METHODS, TimerConfig, time_function
+from benchmarks.timing import METHODS, TimerConfig, time_functions
 
 BASELINE = "jax_nn_cudnn"
 """Accuracy ratios are taken against this implementation."""
@@ -61,13 +62,17 @@ class CellRunner:
     check_heads: key/value heads compared against the reference.
     seed: base of every cell's random inputs.
     skip_slow: skip :data:`SLOW` implementations at long sequences.
+    interleave: time the implementations of a pass with their timing groups
+      interleaved (:func:`benchmarks.timing.time_functions`), so that clock
+      changes during the cell fall on all of them alike; False times them
+      one after another.
     progress: called with a short label after each (implementation, pass).
   """
 
   def __init__(self, impls: list[Impl], timer: TimerConfig, *,
                dtype=jnp.bfloat16, passes=PASSES, input_sets: int = 3,
                check_heads: int = 1, seed: int = 0, skip_slow: bool = False,
-               progress=None):
+               interleave: bool = True, progress=None):
     self.impls = impls
     self.timer = timer
     self.dtype = dtype
@@ -76,6 +81,7 @@ class CellRunner:
     self.check_heads = check_heads
     self.seed = seed
     self.skip_slow = skip_slow
+    self.interleave = interleave
     self.progress = progress or (lambda label: None)
 
   def _rows(self, cell: Cell, pairs: int, seg: np.ndarray | None) -> dict:
@@ -123,13 +129,19 @@ class CellRunner:
     except Exception as err:  # pylint: disable=broad-except
       ref, ref_error = None, f"reference failed: {_summarize(err)}"
 
+    built = {}
     for impl in self.impls:
       try:
-        attend = impl.build(cell) if ref_error is None else None
-        build_error = ref_error
+        built[impl.name] = ((impl.build(cell), None) if ref_error is None
+                            else (None, ref_error))
       except Unsupported as err:
-        attend, build_error = None, str(err)
-      for p in self.passes:
+        built[impl.name] = (None, str(err))
+    for p in self.passes:
+      # Compile and check every implementation, then time those that
+      # passed, their timing groups interleaved.
+      checked = []
+      for impl in self.impls:
+        attend, build_error = built[impl.name]
         entry: dict
         if build_error is not None:
           key = "error" if ref_error else "unsupported"
@@ -137,12 +149,12 @@ class CellRunner:
         elif self.skip_slow and cell.seq_len >= SLOW.get(impl.name, 1 << 60):
           entry = {"skipped": f"--skip-slow (S >= {SLOW[impl.name]})"}
         else:
-          entry = self._measure(cell, impl, p, attend, sets, ref,
-                                rows[p]["flops"])
-          if "tflops" in entry and cell.kind != "dense":
-            entry["tflops_dense_equiv"] = tflops(
-                rows[p]["flops_dense_equiv"], entry["ms"])
+          entry, fn = self._check(cell, p, attend, sets, ref)
+          if fn is not None:
+            checked.append((entry, fn))
         rows[p]["impls"][impl.name] = entry
+      self._time(checked, sets, rows[p])
+      for impl in self.impls:
         self.progress(f"{cell.name} {impl.name} {p}")
     del sets, ref
     _free()
@@ -151,8 +163,10 @@ class CellRunner:
       row["cell_seconds"] = round(time.perf_counter() - start, 2)
     return list(rows.values())
 
-  def _measure(self, cell: Cell, impl: Impl, pass_name: str, attend,
-               sets: list[tuple], ref: dict, flops: float) -> dict:
+  def _check(self, cell: Cell, pass_name: str, attend, sets: list[tuple],
+             ref: dict) -> tuple[dict, Callable | None]:
+    """Compiles a pass and checks its result against the reference: the
+    entry so far, and the function to time (None if it failed)."""
     entry: dict = {}
     try:
       fn = impls_lib.pass_function(attend, pass_name)
@@ -165,13 +179,31 @@ class CellRunner:
       failure = check.sanity_failure(errors)
       if failure:
         entry["failed_check"] = failure
-        return entry
-      timing = time_function(fn, sets, self.timer)
-      entry.update(timing, tflops=tflops(flops, timing["ms"]))
+        return entry, None
+      return entry, fn
     except Exception as err:  # pylint: disable=broad-except
       entry["error"] = _summarize(err)
       _free()
-    return entry
+      return entry, None
+
+  def _time(self, checked: list[tuple[dict, Callable]], sets: list[tuple],
+            row: dict) -> None:
+    """Times the checked functions (interleaved unless the runner is
+    sequential) and fills in their entries."""
+    if self.interleave:
+      timings = time_functions([fn for _, fn in checked], sets, self.timer)
+    else:
+      timings = [time_functions([fn], sets, self.timer)[0]
+                 for _, fn in checked]
+    for (entry, _), timing in zip(checked, timings):
+      if "error" in timing:
+        entry["error"] = _summarize(timing["error"])
+        _free()
+        continue
+      entry.update(timing, tflops=tflops(row["flops"], timing["ms"]))
+      if row["kind"] != "dense":
+        entry["tflops_dense_equiv"] = tflops(row["flops_dense_equiv"],
+                                             timing["ms"])
 
 
 def _add_ratios(row: dict) -> None:
@@ -230,6 +262,9 @@ def _parse_args(argv):
   p.add_argument("--max-timing-s", type=float, default=2.0,
                  help="per function: fewer calls per group beyond this")
   p.add_argument("--input-sets", type=int, default=3)
+  p.add_argument("--sequential-timing", action="store_true",
+                 help="time implementations one after another instead of "
+                 "interleaving their timing groups")
   p.add_argument("--check-heads", type=int, default=1)
   p.add_argument("--skip-slow", action="store_true",
                  help="skip jax_nn_xla at S >= 16384")
@@ -280,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
   seed = args.seed if args.seed is not None else int.from_bytes(
       os.urandom(4), "little") >> 1
   meta = report.run_metadata(args.commit)
-  meta.update(dtype=args.dtype, timer=timer.describe(), seed=seed,
+  meta.update(dtype=args.dtype,
+              timer=dict(timer.describe(),
+                         interleaved=not args.sequential_timing),
+              seed=seed,
               input_sets=args.input_sets, check_heads=args.check_heads,
               impls=[i.name for i in impls],
               impl_notes={i.name: i.note for i in impls},
@@ -321,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
   runner = CellRunner(impls, timer, dtype=jnp.dtype(args.dtype),
                       passes=passes, input_sets=args.input_sets,
                       check_heads=args.check_heads, seed=seed,
-                      skip_slow=args.skip_slow, progress=progress)
+                      skip_slow=args.skip_slow,
+                      interleave=not args.sequential_timing,
+                      progress=progress)
   doc = dict(meta=meta, rows=[], complete=False)
   start = time.perf_counter()
   for index, cell in enumerate(cells):

@@ -138,7 +138,10 @@ def markdown(doc: dict) -> str:
       f"Timing: `{timer['method']}`, {timer['calls']} calls per group "
       f"(fewer for slow calls), median of {timer['repeats']} groups after "
       f"{timer['warmup']} warm-up calls, {meta['input_sets']} rotating "
-      "random input sets.",
+      "random input sets"
+      + ({True: "; the implementations' groups interleaved.",
+          False: "; implementations timed one after another."}
+         .get(timer.get("interleaved"), ".")),
       "TFLOP/s by the FlashAttention convention: forward `4*B*N*T*S*H`, "
       "halved when causal; forward+backward 3.5x forward.  Windowed and "
       "segment cells count visible pairs only (dense-equivalent figure in "

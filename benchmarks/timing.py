@@ -14,6 +14,13 @@ Both exclude ``warmup`` calls, report the median over ``repeats`` groups and
 rotate the calls through several input sets so no call reuses the previous
 call's inputs.  A function slower than ``max_seconds`` per measurement gets
 fewer calls per group (at least one).
+
+:func:`time_functions` times several functions with their groups
+interleaved.  A GPU's clock is not constant over a run: after a pause
+(compiling, checking) the first group can run faster than the rest, and
+under sustained load the power limit lowers the clock.  Taking group ``r``
+of every function before group ``r + 1`` of any puts the functions under
+the same conditions.
 """
 
 from __future__ import annotations
@@ -72,46 +79,83 @@ def time_function(fn: Callable, input_sets: Sequence[tuple],
   Returns:
     ``ms`` (median per-call time), ``ms_groups`` (every group's per-call
     time), ``calls`` (per group, after the budget) and ``repeats``.
+
+  Raises:
+    Whatever ``fn`` raises.
   """
-  n = len(input_sets)
-  t_call = 0.0
-  for i in range(max(cfg.warmup, 1)):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*input_sets[i % n]))
-    t_call = time.perf_counter() - start  # the last one is the estimate
-  calls = _calls_within_budget(cfg, t_call)
-  if cfg.method == "enqueue":
-    groups = _enqueue(fn, input_sets, calls, cfg.repeats)
-  else:
-    groups = _profiler(fn, input_sets, calls, cfg.repeats)
-  return dict(ms=statistics.median(groups), ms_groups=groups, calls=calls,
-              repeats=cfg.repeats)
+  result, = time_functions([fn], input_sets, cfg)
+  if "error" in result:
+    raise result["error"]
+  return result
 
 
-def _enqueue(fn: Callable, input_sets: Sequence[tuple], calls: int,
-             repeats: int) -> list[float]:
-  n = len(input_sets)
-  groups = []
-  for r in range(repeats):
+def time_functions(fns: Sequence[Callable], input_sets: Sequence[tuple],
+                   cfg: TimerConfig) -> list[dict]:
+  """:func:`time_function` for each of ``fns``, groups interleaved.
+
+  Every function is warmed up first; then group ``r`` of each function runs
+  before group ``r + 1`` of any, in the order given.
+
+  Returns:
+    One dict per function, as :func:`time_function` returns, or
+    ``{"error": exception}`` for a function that raised (it is not called
+    again; the others go on).
+  """
+  timers = []
+  for fn in fns:
+    try:
+      timers.append(_GroupTimer(fn, input_sets, cfg))
+    except Exception as err:  # noqa: BLE001 (reported per function)
+      timers.append(err)
+  groups: list[list[float]] = [[] for _ in fns]
+  for r in range(cfg.repeats):
+    for i, timer in enumerate(timers):
+      if isinstance(timer, Exception):
+        continue
+      try:
+        groups[i].append(timer.group(r))
+      except Exception as err:  # noqa: BLE001 (reported per function)
+        timers[i] = err
+  results = []
+  for timer, times in zip(timers, groups):
+    if isinstance(timer, Exception):
+      results.append({"error": timer})
+    else:
+      results.append(dict(ms=statistics.median(times), ms_groups=times,
+                          calls=timer.calls, repeats=cfg.repeats))
+  return results
+
+
+class _GroupTimer:
+  """Warms ``fn`` up, picks the calls per group, then times group ``r`` on
+  request (per-call milliseconds)."""
+
+  def __init__(self, fn: Callable, input_sets: Sequence[tuple],
+               cfg: TimerConfig):
+    self.fn, self.input_sets = fn, input_sets
+    n = len(input_sets)
+    t_call = 0.0
+    for i in range(max(cfg.warmup, 1)):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*input_sets[i % n]))
+      t_call = time.perf_counter() - start  # the last one is the estimate
+    self.calls = _calls_within_budget(cfg, t_call)
+    self.measured = None
+    if cfg.method == "profiler":
+      from jax.experimental.mosaic.gpu import profiler
+      self.measured = profiler.measure(fn, iterations=self.calls)
+
+  def group(self, r: int) -> float:
+    n = len(self.input_sets)
+    if self.measured is not None:
+      _, timings = self.measured(*self.input_sets[r % n])
+      if timings is None:
+        raise RuntimeError("the profiler saw no kernel launches")
+      per_call = timings if isinstance(timings, list) else [timings]
+      return float(statistics.fmean(per_call))
     out = None
     start = time.perf_counter()
-    for i in range(calls):
-      out = fn(*input_sets[(r * calls + i) % n])
+    for i in range(self.calls):
+      out = self.fn(*self.input_sets[(r * self.calls + i) % n])
     jax.block_until_ready(out)
-    groups.append((time.perf_counter() - start) / calls * 1e3)
-  return groups
-
-
-def _profiler(fn: Callable, input_sets: Sequence[tuple], calls: int,
-              repeats: int) -> list[float]:
-  from jax.experimental.mosaic.gpu import profiler
-  measured = profiler.measure(fn, iterations=calls)
-  n = len(input_sets)
-  groups = []
-  for r in range(repeats):
-    _, timings = measured(*input_sets[r % n])
-    if timings is None:
-      raise RuntimeError("the profiler saw no kernel launches")
-    per_call = timings if isinstance(timings, list) else [timings]
-    groups.append(float(statistics.fmean(per_call)))
-  return groups
+    return (time.perf_counter() - start) / self.calls * 1e3

@@ -15,6 +15,7 @@ from benchmarks import check, grid, impls, report
 from benchmarks.cells import (FULL, TINY, Cell, count_visible_bruteforce,
                               dense_flops, filter_cells, forward_flops,
                               make_segment_ids, visible_pairs)
+from benchmarks import timing
 from benchmarks.timing import TimerConfig
 from jflash.masks import AttentionMask
 from tests._support import fresh_rng
@@ -123,6 +124,40 @@ def test_runner_rows_checked_and_timed(tmp_path):
   assert loaded["rows"][1]["impls"]["jflash:xla"]["errors"]["dv"] < 1e-5
   md = (tmp_path / "grid.md").read_text()
   assert "| `S64-H16-full-seg3` B=1 N=2 |" in md and "n/a" in md
+
+
+def test_timing_groups_are_interleaved_and_failures_contained():
+  """time_functions warms every function up, then runs group r of each
+  before group r + 1 of any; a function that raises is reported and not
+  called again, and the others are still timed."""
+  calls = []
+
+  def make(name, fail_at=None):
+    def fn(x):
+      calls.append(name)
+      if fail_at is not None and len(calls) > fail_at:
+        raise RuntimeError(f"{name} failed")
+      return jnp.asarray(x) + 1
+    return fn
+
+  cfg = TimerConfig(calls=2, repeats=3, warmup=1, max_seconds=60.0)
+  a, b = make("a"), make("b")
+  results = timing.time_functions([a, b], [(1.0,), (2.0,)], cfg)
+  assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+  for r in results:
+    assert r["calls"] == 2 and len(r["ms_groups"]) == 3
+    assert r["ms"] == sorted(r["ms_groups"])[1]
+  calls.clear()
+  # "c" fails on the first call of its second timed group (the seventh
+  # call overall), after which only "d" runs.
+  c, d = make("c", fail_at=5), make("d")
+  results = timing.time_functions([c, d], [(1.0,)], cfg)
+  assert isinstance(results[0]["error"], RuntimeError)
+  assert len(results[1]["ms_groups"]) == 3
+  assert calls.count("c") == 4 and calls.count("d") == 7
+  with pytest.raises(RuntimeError, match="failed"):
+    calls.clear()
+    timing.time_function(make("e", fail_at=0), [(1.0,)], cfg)
 
 
 def test_ratio_to_cudnn():
