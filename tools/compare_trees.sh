@@ -10,7 +10,11 @@
 # A run is a tree name under .trees/, optionally followed by
 # +field=value MosaicGpuConfig fields.  Results go to ${OUT:-out}/.
 # SAME_ARGS adds arguments to every run (on a CPU, a smoke test of this
-# script: SAME_ARGS="--implementation xla --shrink 64").
+# script: SAME_ARGS="--implementation xla --shrink 64").  PTXAS=1 also
+# records each run's registers and spills (tools/ptxas_report.py) in
+# ptxas.log and prints them at the end.  Files written: one JSON per run,
+# runs.log, compare.log and ptxas.log (few files, so that all come back
+# from the GPU machine).
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
@@ -26,12 +30,24 @@ for run in "$@"; do
     IFS=+ read -r -a config <<< "$fields"
     config=(--config "${config[@]}")
   fi
-  echo "== $run"
+  echo "== $run" | tee -a "$OUT/runs.log"
   PYTHONPATH=".trees/$tree" timeout "${RUN_TIMEOUT:-150}" "$PY" \
     tools/mosaic_gpu_same.py --save "$OUT/$label.json" "${config[@]}" \
     ${SAME_ARGS:-} 2>&1 \
-    | grep -E "^h=|Error|error" | tee "$OUT/$label.log"
+    | grep -E "^h=|Error|error" | tee -a "$OUT/runs.log"
   [ -f "$OUT/$label.json" ] && files+=("$OUT/$label.json")
+  if [ "${PTXAS:-0}" = 1 ]; then
+    echo "== $run" >> "$OUT/ptxas.log"
+    config_fields=()
+    [ -n "$fields" ] && IFS=+ read -r -a config_fields <<< "$fields"
+    PYTHONPATH=".trees/$tree" timeout 120 "$PY" tools/ptxas_report.py \
+      --config "${config_fields[@]}" >> "$OUT/ptxas.log" 2>&1
+  fi
 done
 echo "== comparisons against $1"
 "$PY" tools/mosaic_gpu_same.py --compare "${files[@]}" | tee "$OUT/compare.log"
+if [ "${PTXAS:-0}" = 1 ]; then
+  echo "== ptxas: registers and spills"
+  grep -E "^==|spill stores|Used" "$OUT/ptxas.log" \
+    | sed -E 's/ptxas info +: //' | cut -c1-150
+fi
