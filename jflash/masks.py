@@ -462,16 +462,10 @@ def earlier_visitors(visits: Array, order: Array, slots: int = 1) -> Array:
   Returns:
     int32 ``[B, nk, m]``.
   """
-  if slots < 1:
-    raise ValueError(f"slots must be at least 1, got {slots}")
   batch, nq, nk = visits.shape
-  padded = -(-nk // slots) * slots
-  visits = jnp.pad(visits.astype(jnp.int32),
-                   ((0, 0), (0, 0), (0, padded - nk)))
-  # Key block j = g * slots + r sits at [g, r]: count along g.
-  grouped = visits.reshape(batch, nq, padded // slots, slots)
+  grouped = _by_slot(visits.astype(jnp.int32), slots)
   earlier = (jnp.cumsum(grouped, axis=2) - grouped).reshape(
-      batch, nq, padded)[:, :, :nk]
+      batch, nq, -1)[:, :, :nk]
   return jnp.take_along_axis(jnp.swapaxes(earlier, 1, 2), order, axis=2)
 
 
@@ -486,13 +480,18 @@ def visited_per_slot(visits: Array, slots: int) -> Array:
   Returns:
     bool ``[slots, B, nq]``.
   """
+  return jnp.moveaxis(_by_slot(visits, slots).any(axis=2), -1, 0)
+
+
+def _by_slot(visits: Array, slots: int) -> Array:
+  """``[B, nq, nk]`` -> ``[B, nq, ceil(nk / slots), slots]``, key block
+  ``j = g * slots + r`` at ``[..., g, r]`` (padded with zeros)."""
   if slots < 1:
     raise ValueError(f"slots must be at least 1, got {slots}")
   batch, nq, nk = visits.shape
   padded = -(-nk // slots) * slots
   visits = jnp.pad(visits, ((0, 0), (0, 0), (0, padded - nk)))
-  grouped = visits.reshape(batch, nq, padded // slots, slots)
-  return jnp.moveaxis(grouped.any(axis=2), -1, 0)
+  return visits.reshape(batch, nq, padded // slots, slots)
 
 
 def heaviest_first(count: Array) -> Array:

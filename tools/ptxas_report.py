@@ -16,6 +16,9 @@ import re
 import subprocess
 import sys
 
+# Run as a script from tools/, so its sibling is importable.
+from mosaic_gpu_same import _parse_config
+
 
 def _compile(fields: dict) -> None:
   import jax  # noqa: PLC0415 (the child process only)
@@ -34,15 +37,6 @@ def _compile(fields: dict) -> None:
         implementation=backend).astype(jnp.float32).sum()
     print(f"=== head dim {head_dim}", flush=True)
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
-
-
-def _parse_config(items: list[str]) -> dict:
-  fields = {}
-  for item in items:
-    key, value = item.split("=", 1)
-    low = value.lower()
-    fields[key] = (low == "true") if low in ("true", "false") else int(value)
-  return fields
 
 
 def summarize(text: str) -> list[str]:
