@@ -10,7 +10,9 @@
 # A run is a tree name under .trees/, optionally followed by
 # +field=value MosaicGpuConfig fields.  Results go to ${OUT:-out}/.
 # SAME_ARGS adds arguments to every run (on a CPU, a smoke test of this
-# script: SAME_ARGS="--implementation xla --shrink 64").  PTXAS=1 also
+# script: SAME_ARGS="--implementation xla --shrink 64").  ONLY picks cells
+# by name, alternatives separated by ';' (ONLY="h=128 s=16384;h=64").
+# PTXAS=1 also
 # records each run's registers and spills (tools/ptxas_report.py) in
 # ptxas.log and prints them at the end.  Files written: one JSON per run,
 # runs.log, compare.log and ptxas.log (few files, so that all come back
@@ -22,6 +24,11 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export XLA_FLAGS="--xla_backend_optimization_level=3"
 PY="${PYTHON:-python3}"
 files=()
+only=()
+if [ -n "${ONLY:-}" ]; then
+  IFS=';' read -r -a only <<< "$ONLY"
+  only=(--only "${only[@]}")
+fi
 for run in "$@"; do
   IFS=+ read -r tree fields <<< "$run"
   label="${run//[+=]/_}"
@@ -33,7 +40,7 @@ for run in "$@"; do
   echo "== $run" | tee -a "$OUT/runs.log"
   PYTHONPATH=".trees/$tree" timeout "${RUN_TIMEOUT:-150}" "$PY" \
     tools/mosaic_gpu_same.py --save "$OUT/$label.json" "${config[@]}" \
-    ${SAME_ARGS:-} 2>&1 \
+    "${only[@]}" ${SAME_ARGS:-} 2>&1 \
     | grep -E "^h=|Error|error" | tee -a "$OUT/runs.log"
   [ -f "$OUT/$label.json" ] && files+=("$OUT/$label.json")
   if [ "${PTXAS:-0}" = 1 ]; then

@@ -45,7 +45,7 @@ def _parse_config(items: list[str]) -> dict:
 
 
 def _run(path: str, implementation: str, shrink: int,
-         config: dict) -> None:
+         config: dict, only: list[str]) -> None:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -61,6 +61,9 @@ def _run(path: str, implementation: str, shrink: int,
   timer = TimerConfig(repeats=5, warmup=2)
   results = {}
   for head_dim, seq, causal, window in _CELLS:
+    label = f"h={head_dim} s={seq} causal={causal} window={window}"
+    if only and not any(text in label for text in only):
+      continue
     heads, batch = 2048 // head_dim, 16384 // seq
     seq //= shrink
     rng = np.random.default_rng(seq + head_dim + causal)
@@ -137,12 +140,16 @@ def main() -> None:
                       help="divide sequence lengths (a CPU smoke test)")
   parser.add_argument("--config", nargs="*", default=[],
                       help="MosaicGpuConfig fields, e.g. fuse_dq=true")
+  parser.add_argument("--only", nargs="*", default=[],
+                      help="run only the cells whose name (as printed, "
+                      "before shrinking) contains one of these, e.g. "
+                      "'h=128 s=16384'")
   args = parser.parse_args()
   if args.compare:
     _compare(*args.compare)
   else:
     _run(args.save, args.implementation, args.shrink,
-         _parse_config(args.config))
+         _parse_config(args.config), args.only)
 
 
 if __name__ == "__main__":
