@@ -48,8 +48,8 @@ def _named_barrier(operation: str, barrier_id: Array, threads: int) -> None:
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
   def barrier(_, barrier_id):
     mgpu_utils.inline_ptx(f"bar.{operation} $0, {threads};",
-                     barrier_id.registers[()], has_side_effects=True,
-                     convergent=True)
+                          barrier_id.registers[()], has_side_effects=True,
+                          convergent=True)
   barrier(barrier_id.astype(jnp.int32))
 
 
