@@ -115,6 +115,53 @@ def test_config_resolves_per_head_dim():
     mosaic_gpu.default_config(320)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_key_tiles_never_wider_than_the_keys(head_dim):
+  """With the number of keys known, the forward and dQ key tiles narrow to
+  the smallest of 64, 128, 256 covering them (never widening the tuned
+  tile); an explicit tile is kept; long sequences get the tuned table."""
+  tuned = mosaic_gpu.default_config(head_dim)
+  rng = _rng()
+  for kv_len in [1, 64, 65, 128, 129, 256, 257, 4096,
+                 *rng.integers(1, 600, 5).tolist()]:
+    config = MosaicGpuConfig().resolved(head_dim, kv_len)
+    cover = next(w for w in (64, 128, 256, 1 << 30) if w >= kv_len)
+    for name in ("block_kv", "block_kv_dq"):
+      assert getattr(config, name) == min(cover, getattr(tuned, name)), (
+          name, kv_len)
+    # The other fields are the tuned ones.
+    others = {f: getattr(config, f) for f in vars(config)
+              if f not in ("block_kv", "block_kv_dq")}
+    assert others == {f: getattr(tuned, f) for f in others}
+  explicit = MosaicGpuConfig(block_kv=tuned.block_kv).resolved(head_dim, 10)
+  assert explicit.block_kv == tuned.block_kv
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_short_sequences_lower_with_narrow_key_tiles(head_dim):
+  """Forward and backward lower to Mosaic GPU with the tiles a short key
+  sequence gets (77 queries, 50 keys: 64-key tiles)."""
+  batch, t, s = 2, 77, 50
+  mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=s, is_causal=True,
+                             kv_lengths=jnp.asarray([50, 20], jnp.int32))
+  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+                          logits=LogitTransform(0.125, None),
+                          config=MosaicGpuConfig().resolved(head_dim, s),
+                          head_dim=head_dim)
+  assert plan.config.block_kv == 64
+  q = jax.ShapeDtypeStruct((batch, t, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((batch, s, 2, head_dim), jnp.bfloat16)
+
+  def run(q, k, v):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan), q, k, v)
+    return out, lse, vjp((out, lse))
+
+  text = jax.jit(run).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 3
+
+
 def test_declines_off_hopper_and_for_unsupported_inputs():
   rng = _rng()
   q = jnp.asarray(rng.standard_normal((1, 16, 2, 64)), jnp.bfloat16)

@@ -98,7 +98,8 @@ class MosaicGpuBackend:
     plan = _Plan(spec=MaskSpec.of(call.mask),
                  logits=LogitTransform(float(call.scale),
                                        call.logits_soft_cap),
-                 config=self.config.resolved(head_dim), head_dim=head_dim)
+                 config=self.config.resolved(head_dim, call.mask.kv_len),
+                 head_dim=head_dim)
     return _attention(call.query, call.key, call.value, call.mask, plan)
 
 

@@ -94,8 +94,10 @@ class MosaicGpuConfig:
         raise ValueError(f"MosaicGpuConfig.{field.name} must be a positive "
                          f"multiple of 64, got {value}")
 
-  def resolved(self, head_dim: int) -> "MosaicGpuConfig":
-    """Every ``None`` field filled from :func:`default_config`.
+  def resolved(self, head_dim: int,
+               kv_len: int | None = None) -> "MosaicGpuConfig":
+    """Every ``None`` field filled from :func:`default_config` for the head
+    dim and (when given) the number of keys.
 
     Raises:
       ValueError: ``fuse_dq`` at a head dim above 128, or a field set to a
@@ -103,7 +105,7 @@ class MosaicGpuConfig:
         run (``dq_slots`` without the fused backward; the dQ pass fields
         with it).
     """
-    base = default_config(head_dim)
+    base = default_config(head_dim, kv_len)
     config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
         if getattr(self, f.name) is not None})
@@ -154,6 +156,23 @@ def padded_head_dim(head_dim: int) -> int:
   raise ValueError(f"head dim {head_dim} is above 256")
 
 
-def default_config(head_dim: int) -> MosaicGpuConfig:
-  """The tuned configuration for a head dim (padded to 64, 128 or 256)."""
-  return _DEFAULTS[padded_head_dim(head_dim)]
+def default_config(head_dim: int,
+                   kv_len: int | None = None) -> MosaicGpuConfig:
+  """The tuned configuration for a head dim (padded to 64, 128 or 256),
+  adjusted to the number of keys ``kv_len`` when given.
+
+  Shape rule: no key tile of the forward or the dQ pass is wider than the
+  keys.  A tile is narrowed to the smallest of 64, 128 and 256 that covers
+  ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do not
+  compute a 256-key tile for 77 keys); powers of two keep every pass's
+  tile a divisor of the padded length.
+  """
+  config = _DEFAULTS[padded_head_dim(head_dim)]
+  if kv_len is None:
+    return config
+  cover = 64
+  while cover < kv_len:
+    cover *= 2
+  narrowed = {name: cover for name in ("block_kv", "block_kv_dq")
+              if cover < getattr(config, name)}
+  return dataclasses.replace(config, **narrowed) if narrowed else config
