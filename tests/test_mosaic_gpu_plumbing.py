@@ -25,6 +25,21 @@ def _rng():
   return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
 
 
+def _forward_and_backward(mask, plan):
+  """``run(q, k, v) -> (out, lse, grads)`` through the mosaic_gpu kernels."""
+  def run(q, k, v):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan), q, k, v)
+    return out, lse, vjp((out, lse))
+  return run
+
+
+def _cuda_lowering(run, q, kv) -> str:
+  """The StableHLO text of ``run`` lowered for CUDA (on any host)."""
+  return jax.jit(run).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("field,value", [("block_q", 96), ("block_kv", 0),
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
@@ -152,13 +167,8 @@ def test_short_sequences_lower_with_narrow_key_tiles(head_dim):
   q = jax.ShapeDtypeStruct((batch, t, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((batch, s, 2, head_dim), jnp.bfloat16)
 
-  def run(q, k, v):
-    (out, lse), vjp = jax.vjp(
-        lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan), q, k, v)
-    return out, lse, vjp((out, lse))
-
-  text = jax.jit(run).trace(q, kv, kv).lower(
-      lowering_platforms=("cuda",)).as_text()
+  run = _forward_and_backward(mask, plan)
+  text = _cuda_lowering(run, q, kv)
   assert text.count("custom_call @mosaic_gpu") == 3
 
 
@@ -313,13 +323,8 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
       config=MosaicGpuConfig(**variant).resolved(head_dim),
       head_dim=head_dim)
 
-  def run(q, k, v):
-    (out, lse), vjp = jax.vjp(
-        lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan), q, k, v)
-    return out, lse, vjp((out, lse))
-
-  text = jax.jit(run).trace(q, kv, kv).lower(
-      lowering_platforms=("cuda",)).as_text()
+  run = _forward_and_backward(mask, plan)
+  text = _cuda_lowering(run, q, kv)
   # Forward, then dQ and dK/dV, or the one fused backward kernel.
   kernels = text.count("custom_call @mosaic_gpu")
   assert kernels == (2 if variant.get("fuse_dq") else 3)
