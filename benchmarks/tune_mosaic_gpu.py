@@ -1,18 +1,28 @@
 """Sweep ``MosaicGpuConfig`` candidates on the current Hopper GPU and print
 the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 
-The forward is tuned first (block_q, block_kv, stages, then the
-``overlap_qk`` switch on the best tiling), timing the forward alone; then
-the backward, one group of fields at a time starting from the best forward
-(dQ tiles, then dK/dV tiles, then the ring depths, then ``fuse_dq`` where
-the head dim allows it), timing forward+backward.  Each candidate's output is compared with the
-default configuration's before it is timed; candidates that do not fit in
-shared memory or fail to compile are reported and skipped.
+The search starts from the current default and changes one group of fields
+at a time: the forward tiling (block_q, block_kv, stages), then the
+``overlap_qk`` switch, timing the forward alone; then the backward's groups
+(dQ tiles, dK/dV tiles, ring depths, ``fuse_dq`` where the head dim allows
+it), timing forward+backward.
 
-Usage (from the repository root, on the GPU)::
+Every candidate is timed against the incumbent (the best configuration so
+far) with their timing groups interleaved, on every mask asked for
+(``--masks``, by default both without and with a causal mask), so that
+both see the same clock.  A candidate replaces the incumbent only when it
+is faster by at least ``--min-gain`` (geometric mean over the masks) and
+no mask is slower by more than that: a default table serves both masks,
+and a difference inside the run-to-run noise is no reason to change it.
+Each candidate's output is first compared with the default
+configuration's; candidates that do not fit in shared memory or fail to
+compile are reported and skipped.
 
-  PYTHONPATH=. python3 -m benchmarks.tune_mosaic_gpu --head-dims 64,128 \\
-      --seq 4096 --out tune.json
+Usage (from the repository root, on the GPU; about 8 minutes for one head
+dim at S=16384)::
+
+  PYTHONPATH=. python3 -m benchmarks.tune_mosaic_gpu --head-dims 128 \\
+      --seq 16384 --out tune.json
 
 The shapes follow the benchmark grid: ``B*S = 16384`` tokens and
 ``N*H = 2048``.
@@ -24,18 +34,26 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jflash
-from benchmarks.timing import TimerConfig, time_function
+from benchmarks.timing import TimerConfig, time_functions
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
 from jflash.backends.mosaic_gpu.config import default_config
 
 _SMEM_BYTES = 227 * 1024
+MASKS = ("dense", "causal")
+
+
+def make_backend(config: MosaicGpuConfig):
+  """The implementation a configuration is timed with."""
+  return MosaicGpuBackend(config)
 
 
 def forward_candidates(head_dim: int) -> list[MosaicGpuConfig]:
@@ -81,6 +99,73 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
   return groups
 
 
+def search_groups(head_dim: int) -> list[tuple[str, list[dict]]]:
+  """The groups of field changes tried in order, each with the pass it is
+  timed on (``fwd`` or ``fwdbwd``)."""
+  tilings = [dict(block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
+             for c in forward_candidates(head_dim)]
+  return ([("fwd", tilings), ("fwd", forward_switches())] +
+          [("fwdbwd", group) for group in backward_groups(head_dim)])
+
+
+def speedup(ratios: dict[str, float]) -> float:
+  """Geometric mean of per-mask speed ratios (candidate over incumbent)."""
+  return math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+
+
+def accepted(ratios: dict[str, float], min_gain: float) -> bool:
+  """Whether a candidate with these per-mask speed ratios over the
+  incumbent replaces it: faster by ``min_gain`` on the geometric mean, and
+  slower by no more than ``min_gain`` on any mask."""
+  return (speedup(ratios) >= 1 + min_gain and
+          min(ratios.values()) >= 1 - min_gain)
+
+
+# (candidate, incumbent, pass name) -> a row: "ratio" {mask: candidate
+# speed / incumbent speed}, with "tflops" and "incumbent_tflops"; or
+# "error".
+Measure = Callable[[MosaicGpuConfig, MosaicGpuConfig, str], dict]
+
+
+def tune(measure: Measure, head_dim: int, seq: int,
+         log: Callable[[dict], None],
+         min_gain: float) -> tuple[MosaicGpuConfig, list[dict]]:
+  """Greedy search from the default configuration, one group of fields at
+  a time (:func:`search_groups`).
+
+  In each group the accepted candidate (:func:`accepted`) with the largest
+  speedup over the group's starting configuration wins; when none is
+  accepted the starting configuration stays.
+
+  Returns:
+    The final configuration (fully resolved) and every measured row.
+  """
+  incumbent = default_config(head_dim, seq)
+  rows = []
+  for pass_name, group in search_groups(head_dim):
+    winner, winner_speedup = incumbent, 1.0
+    for fields in group:
+      row = dict(pass_=pass_name, fields=fields)
+      try:
+        candidate = dataclasses.replace(incumbent, **fields).resolved(
+            head_dim, seq)
+      except ValueError as err:
+        row["error"] = f"ValueError: {err}"
+      else:
+        if candidate == incumbent:
+          continue
+        row["config"] = dataclasses.asdict(candidate)
+        row.update(measure(candidate, incumbent, pass_name))
+        if "ratio" in row and accepted(row["ratio"], min_gain):
+          row["accepted"] = True
+          if speedup(row["ratio"]) > winner_speedup:
+            winner, winner_speedup = candidate, speedup(row["ratio"])
+      rows.append(row)
+      log(row)
+    incumbent = winner
+  return incumbent, rows
+
+
 def _rel(x, y) -> float:
   x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
   return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
@@ -88,125 +173,129 @@ def _rel(x, y) -> float:
 
 @dataclasses.dataclass
 class Tuner:
-  """Times configurations of one shape."""
+  """Times configurations of one shape on the current GPU."""
 
   head_dim: int
   seq: int
-  causal: bool
+  masks: tuple[str, ...]
   timer: TimerConfig
+  tokens: int = 16384  # B * S
+  width: int = 2048    # N * H
 
   def __post_init__(self):
-    heads, batch = 2048 // self.head_dim, max(1, 16384 // self.seq)
+    heads = max(1, self.width // self.head_dim)
+    batch = max(1, self.tokens // self.seq)
     shape = (batch, self.seq, heads, self.head_dim)
     keys = jax.random.split(jax.random.key(int(time.time())), 8)
     make = lambda key: jax.random.normal(key, shape, jnp.bfloat16)  # noqa
     self.inputs = [tuple(make(k) for k in keys[i:i + 4]) for i in (0, 4)]
     self.flops = 4 * batch * heads * self.seq ** 2 * self.head_dim
-    self.flops /= 2 if self.causal else 1
-    self.baseline: dict[str, jax.Array] = {}
+    self.functions: dict[tuple, Callable] = {}
+    self.baseline: dict[tuple, tuple] = {}
 
-  def _functions(self, config: MosaicGpuConfig):
-    backend = MosaicGpuBackend(config)
+  def _function(self, config: MosaicGpuConfig, mask: str, pass_name: str):
+    key = (config, mask, pass_name)
+    if key not in self.functions:
+      backend = make_backend(config)
 
-    def attend(q, k, v):
-      return jflash.dot_product_attention(q, k, v, is_causal=self.causal,
-                                          implementation=backend)
+      def attend(q, k, v):
+        return jflash.dot_product_attention(
+            q, k, v, is_causal=mask == "causal", implementation=backend)
 
-    def forward(q, k, v, cot):
-      del cot
-      return attend(q, k, v)
+      def forward(q, k, v, cot):
+        del cot
+        return (attend(q, k, v),)
 
-    def both(q, k, v, cot):
-      out, vjp = jax.vjp(attend, q, k, v)
-      return out, *vjp(cot)
-    return dict(fwd=jax.jit(forward), fwdbwd=jax.jit(both))
+      def both(q, k, v, cot):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, *vjp(cot)
+      self.functions[key] = jax.jit(forward if pass_name == "fwd" else both)
+    return self.functions[key]
 
-  def measure(self, config: MosaicGpuConfig, pass_name: str) -> dict:
-    """TFLOP/s of one pass, after checking it against the default config."""
-    fn = self._functions(config)[pass_name]
-    try:
-      result = jax.block_until_ready(fn(*self.inputs[0]))
-    except Exception as err:  # noqa: BLE001 (compile failures are data)
-      return dict(error=f"{type(err).__name__}: {str(err)[:200]}")
-    result = result if isinstance(result, tuple) else (result,)
-    if pass_name not in self.baseline:
-      reference = self._functions(MosaicGpuConfig())[pass_name]
-      ref = reference(*self.inputs[0])
-      self.baseline[pass_name] = ref if isinstance(ref, tuple) else (ref,)
-    diff = max(_rel(a, b) for a, b in zip(result, self.baseline[pass_name]))
-    if not np.isfinite(diff) or diff > 1e-2:
-      return dict(error=f"differs from the default config by {diff:.2e}")
-    timing = time_function(fn, self.inputs, self.timer)
+  def _check(self, config: MosaicGpuConfig, mask: str,
+             pass_name: str) -> float:
+    """Largest relative difference from the default configuration."""
+    result = jax.block_until_ready(
+        self._function(config, mask, pass_name)(*self.inputs[0]))
+    if (mask, pass_name) not in self.baseline:
+      default = MosaicGpuConfig()
+      self.baseline[mask, pass_name] = self._function(
+          default, mask, pass_name)(*self.inputs[0])
+    return max(_rel(a, b) for a, b in
+               zip(result, self.baseline[mask, pass_name]))
+
+  def measure(self, candidate: MosaicGpuConfig, incumbent: MosaicGpuConfig,
+              pass_name: str) -> dict:
+    """Speed of ``candidate`` over ``incumbent`` per mask, timed
+    interleaved, after checking the candidate's result."""
+    row = dict(ratio={}, tflops={}, incumbent_tflops={})
     factor = 3.5 if pass_name == "fwdbwd" else 1.0
-    return dict(tflops=factor * self.flops / (timing["ms"] * 1e-3) / 1e12,
-                ms=timing["ms"], diff=diff)
+    for mask in self.masks:
+      try:
+        diff = self._check(candidate, mask, pass_name)
+      except Exception as err:  # noqa: BLE001 (compile failures are data)
+        return dict(error=f"{type(err).__name__}: {str(err)[:200]}")
+      if not np.isfinite(diff) or diff > 1e-2:
+        return dict(error=f"{mask}: differs from the default configuration "
+                    f"by {diff:.2e}")
+      timings = time_functions(
+          [self._function(incumbent, mask, pass_name),
+           self._function(candidate, mask, pass_name)],
+          self.inputs, self.timer)
+      for timing in timings:
+        if "error" in timing:
+          return dict(error=f"{mask}: {timing['error']!r}"[:200])
+      flops = factor * self.flops / (2 if mask == "causal" else 1)
+      old, new = (t["ms"] * 1e-3 for t in timings)
+      row["ratio"][mask] = old / new
+      row["tflops"][mask] = flops / new / 1e12
+      row["incumbent_tflops"][mask] = flops / old / 1e12
+    return row
 
 
-def tune(tuner: Tuner, log) -> tuple[MosaicGpuConfig, list[dict]]:
-  rows = []
-  best, best_tflops = None, -1.0
-  for config in forward_candidates(tuner.head_dim):
-    row = dict(pass_="fwd", config=dataclasses.asdict(config),
-               **tuner.measure(config, "fwd"))
-    rows.append(row)
-    log(row)
-    if row.get("tflops", -1) > best_tflops:
-      best, best_tflops = config, row["tflops"]
-  if best is None:
-    best = MosaicGpuConfig()
-  tiling = best
-  for fields in forward_switches():
-    config = dataclasses.replace(tiling, **fields)
-    row = dict(pass_="fwd", config=dataclasses.asdict(config),
-               **tuner.measure(config, "fwd"))
-    rows.append(row)
-    log(row)
-    if row.get("tflops", -1) > best_tflops:
-      best, best_tflops = config, row["tflops"]
-  best_both = -1.0
-  for group in backward_groups(tuner.head_dim):
-    group_best = best
-    for fields in group:
-      config = dataclasses.replace(best, **fields)
-      row = dict(pass_="fwdbwd", config=dataclasses.asdict(config),
-                 **tuner.measure(config, "fwdbwd"))
-      rows.append(row)
-      log(row)
-      if row.get("tflops", -1) > best_both:
-        group_best, best_both = config, row["tflops"]
-    best = group_best
-  return best.resolved(tuner.head_dim), rows
+def _show(row: dict) -> str:
+  if "error" in row:
+    value = row["error"]
+  else:
+    value = "  ".join(
+        f"{mask} {row['tflops'][mask]:6.1f} (incumbent "
+        f"{row['incumbent_tflops'][mask]:6.1f})" for mask in row["ratio"])
+    value += f"  x{speedup(row['ratio']):.3f}"
+    value += "  accepted" if row.get("accepted") else ""
+  return f"  {row['pass_']:6s} {row['fields']}: {value}"
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--masks", default=",".join(MASKS),
+                      help=f"comma-separated, from {MASKS}")
+  parser.add_argument("--min-gain", type=float, default=0.02,
+                      help="speedup a candidate needs to replace the "
+                      "incumbent (0.02: 2%%)")
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default=None, help="JSON file for all rows")
   args = parser.parse_args()
+  masks = tuple(args.masks.split(","))
+  if not masks or any(m not in MASKS for m in masks):
+    parser.error(f"--masks: expected names from {MASKS}, got {args.masks!r}")
   timer = TimerConfig(calls=args.calls, repeats=args.repeats, warmup=2)
   results, table = [], {}
 
-  def log(row):
-    shown = {k: v for k, v in row["config"].items() if v is not None}
-    value = (f"{row['tflops']:6.1f} TFLOP/s" if "tflops" in row
-             else row["error"])
-    print(f"  {row['pass_']:6s} {shown}: {value}", flush=True)
-
   for head_dim in (int(h) for h in args.head_dims.split(",")):
-    print(f"head dim {head_dim}, S={args.seq}, causal={args.causal} "
-          f"(default {default_config(head_dim)})", flush=True)
-    tuner = Tuner(head_dim, args.seq, args.causal, timer)
-    best, rows = tune(tuner, log)
-    if not any("tflops" in row for row in rows):
-      print(f"  no candidate ran for head dim {head_dim}; its default stays",
-            flush=True)
-      continue
+    default = default_config(head_dim, args.seq)
+    print(f"head dim {head_dim}, S={args.seq}, masks {masks} "
+          f"(default {default})", flush=True)
+    tuner = Tuner(head_dim, args.seq, masks, timer)
+    best, rows = tune(tuner.measure, head_dim, args.seq,
+                      lambda row: print(_show(row), flush=True),
+                      args.min_gain)
     table[head_dim] = best
-    results.append(dict(head_dim=head_dim, seq=args.seq, causal=args.causal,
+    results.append(dict(head_dim=head_dim, seq=args.seq, masks=masks,
+                        min_gain=args.min_gain,
+                        default=dataclasses.asdict(default),
                         best=dataclasses.asdict(best), rows=rows))
     if args.out:
       with open(args.out, "w") as f:
@@ -216,7 +305,9 @@ def main() -> None:
   for head_dim, config in table.items():
     fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(
         config).items())
-    print(f"    {head_dim}: MosaicGpuConfig({fields}),")
+    same = config == default_config(head_dim, args.seq)
+    print(f"    {head_dim}: MosaicGpuConfig({fields}),"
+          + ("  # the default, kept" if same else ""))
 
 
 if __name__ == "__main__":

@@ -193,6 +193,107 @@ def test_tuner_candidates_include_the_defaults_and_fit():
       dataclasses.replace(default, **fields).resolved(head_dim)
 
 
+def _fake_measure(speed, seen=None):
+  """A tuner measure from ``speed(config, mask)``: the ratio is the
+  candidate's speed over the incumbent's, as interleaved timing gives."""
+  def measure(candidate, incumbent, pass_name):
+    if seen is not None:
+      seen.append((candidate, incumbent, pass_name))
+    ratio = {m: speed(candidate, m) / speed(incumbent, m)
+             for m in ("dense", "causal")}
+    return dict(ratio=ratio, tflops=dict(ratio),
+                incumbent_tflops={m: 1.0 for m in ratio})
+  return measure
+
+
+def test_tuner_acceptance_rule():
+  from benchmarks.tune_mosaic_gpu import accepted, speedup
+  assert speedup({"dense": 1.21, "causal": 1.0}) == pytest.approx(1.1)
+  assert accepted({"dense": 1.05, "causal": 1.03}, 0.02)
+  assert not accepted({"dense": 1.01, "causal": 1.015}, 0.02)  # noise
+  # Faster on one mask, clearly slower on the other: the table serves both.
+  assert not accepted({"dense": 1.3, "causal": 0.95}, 0.02)
+
+
+def test_tuner_keeps_the_default_when_no_candidate_clears_the_margin():
+  from benchmarks import tune_mosaic_gpu
+  from jflash.backends.mosaic_gpu import default_config
+  rng = fresh_rng()
+  noise = {}
+
+  def speed(config, mask):  # every configuration within 1.5% of another
+    return noise.setdefault((config, mask), 1 + 0.015 * rng.random())
+  best, rows = tune_mosaic_gpu.tune(_fake_measure(speed), 128, 16384,
+                                    lambda row: None, min_gain=0.02)
+  assert best == default_config(128, 16384)
+  assert rows and not any(row.get("accepted") for row in rows)
+
+
+def test_tuner_takes_clear_winners_and_builds_on_them():
+  from benchmarks import tune_mosaic_gpu
+  from jflash.backends.mosaic_gpu import default_config
+  default = default_config(128, 16384)
+
+  def speed(config, mask):
+    s = 1.0
+    if config.block_kv == 192 and config.stages == 2:
+      # Much faster without a mask, slower with one: rejected.
+      s *= 1.3 if mask == "dense" else 0.9
+    if config.block_q_dq == 128 and config.block_kv_dq == 64:
+      s *= 1.05  # a clear winner in the dQ group
+    if config.block_q_dq == 64 and config.block_kv_dq == 64:
+      s *= 1.08  # a clearer one
+    if config.stages_dkv == 3:
+      s *= 1.1   # wins in a later group, on top of the dQ winner
+    return s
+  seen = []
+  best, rows = tune_mosaic_gpu.tune(_fake_measure(speed, seen), 128, 16384,
+                                    lambda row: None, min_gain=0.02)
+  assert (best.block_q, best.block_kv, best.stages) == (
+      default.block_q, default.block_kv, default.stages)
+  assert (best.block_q_dq, best.block_kv_dq) == (64, 64)
+  assert best.stages_dkv == 3 and best.fuse_dq is False
+  # The ring-depth group was timed against the dQ group's winner.
+  ring = [(c, i) for c, i, _ in seen if c.stages_dkv == 3]
+  assert ring and all(i.block_kv_dq == 64 for _, i in ring)
+  # The incumbent itself is never timed against itself.
+  assert all(c != i for c, i, _ in seen)
+
+
+def test_tuner_records_configurations_that_fail():
+  from benchmarks import tune_mosaic_gpu
+  from jflash.backends.mosaic_gpu import default_config
+
+  def measure(candidate, incumbent, pass_name):
+    if candidate.stages == 4:
+      return dict(error="ValueError: exceeds available shared memory")
+    return _fake_measure(lambda c, m: 1.0)(candidate, incumbent, pass_name)
+  best, rows = tune_mosaic_gpu.tune(measure, 64, 4096, lambda row: None,
+                                    min_gain=0.02)
+  assert best == default_config(64, 4096)
+  assert any("error" in row for row in rows)
+
+
+def test_tuner_measures_candidate_against_incumbent(monkeypatch):
+  """The device-side measure on the CPU, with the xla backend standing in
+  for the kernels: a checked, interleaved timing per mask."""
+  from benchmarks import tune_mosaic_gpu
+  from jflash.backends.mosaic_gpu import default_config
+  monkeypatch.setattr(tune_mosaic_gpu, "make_backend", lambda config: "xla")
+  tuner = tune_mosaic_gpu.Tuner(64, 32, ("dense", "causal"), FAST,
+                                tokens=64, width=128)
+  incumbent = default_config(64, 32)
+  candidate = dataclasses.replace(incumbent, block_kv_dq=64)
+  for pass_name in ("fwd", "fwdbwd"):
+    row = tuner.measure(candidate, incumbent, pass_name)
+    assert "error" not in row, row
+    assert set(row["ratio"]) == {"dense", "causal"}
+    for mask in row["ratio"]:
+      assert row["tflops"][mask] > 0 and row["incumbent_tflops"][mask] > 0
+      assert row["ratio"][mask] == pytest.approx(
+          row["tflops"][mask] / row["incumbent_tflops"][mask])
+
+
 def test_xprof_placeholder_only_fills_missing_modules():
   """The placeholder that lets tokamax import without xprof registers the
   one name tokamax imports, raises when called, and leaves a real xprof
