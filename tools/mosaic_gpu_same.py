@@ -62,7 +62,9 @@ def _run(path: str, implementation: str, shrink: int,
   results = {}
   for head_dim, seq, causal, window in _CELLS:
     label = f"h={head_dim} s={seq} causal={causal} window={window}"
-    if only and not any(text in label for text in only):
+    # Matched without "window=None", so that "window" picks windowed cells.
+    matched = label.replace(" window=None", "")
+    if only and not any(text in matched for text in only):
       continue
     heads, batch = 2048 // head_dim, 16384 // seq
     seq //= shrink
@@ -142,8 +144,8 @@ def main() -> None:
                       help="MosaicGpuConfig fields, e.g. fuse_dq=true")
   parser.add_argument("--only", nargs="*", default=[],
                       help="run only the cells whose name (as printed, "
-                      "before shrinking) contains one of these, e.g. "
-                      "'h=128 s=16384'")
+                      "before shrinking, without 'window=None') contains "
+                      "one of these, e.g. 'h=128 s=16384' or 'window'")
   args = parser.parse_args()
   if args.compare:
     _compare(*args.compare)
