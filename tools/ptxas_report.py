@@ -1,16 +1,29 @@
-"""Registers and spills of the mosaic_gpu kernels, from ptxas, on a Hopper
-GPU: compiles the forward and backward once per head dim (64, 128, 256) on
-a small causal shape with ``MOSAIC_GPU_DUMP_PTXAS=1`` and prints, per
-kernel, the ``Used ... registers`` line and the stack/spill line.
+"""Registers and spills of the mosaic_gpu kernels, from ptxas: compiles the
+forward and backward once per head dim (64, 128, 256) on a small causal
+shape with ``MOSAIC_GPU_DUMP_PTXAS=1`` and prints, per kernel, the ``Used
+... registers`` line, the stack/spill line and any ptxas warning (such as
+C7513, ``wgmma`` serialized).
 
-Usage (from the repository root, on the GPU; ``PYTHONPATH`` picks the tree)::
+On a Hopper GPU (``PYTHONPATH`` picks the tree)::
 
   PYTHONPATH=. python3 tools/ptxas_report.py [--config fuse_dq=true ...]
+
+On a host without a GPU, after ``bash tools/offline_cuda/setup.sh`` (which
+fetches the CUDA plugin of the pinned jaxlib and ptxas, and builds a
+stand-in driver that answers as an sm_90 device)::
+
+  PYTHONPATH=. python3 tools/ptxas_report.py --offline /tmp/jflash-cuda
+
+The kernels are lowered for CUDA on the CPU and each is compiled by the
+plugin's Mosaic GPU compiler; loading the result then fails, which is
+expected.  ``--raw FILE`` keeps the compiler's whole output (with
+``--sass``, the SASS too).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import subprocess
@@ -20,15 +33,35 @@ import sys
 from mosaic_gpu_same import _parse_config
 
 
-def _compile(fields: dict) -> None:
+def _offline_compiler(plugin: str):
+  """``compile(module_bytes)`` through the CUDA plugin's Mosaic GPU
+  compiler (ptxas reports on stderr; the final load fails)."""
+  compile_module = ctypes.CDLL(plugin).MosaicGpuCompile
+  compile_module.argtypes = [ctypes.c_char_p, ctypes.c_int]
+  compile_module.restype = ctypes.POINTER(ctypes.c_void_p)
+
+  def run(module: bytes) -> None:
+    compile_module(ctypes.c_char_p(module), ctypes.c_int(len(module)))
+    sys.stdout.flush()
+  return run
+
+
+def _compile(fields: dict, head_dims: list[int], plugin: str | None) -> None:
   import jax  # noqa: PLC0415 (the child process only)
   import jax.numpy as jnp  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import core  # noqa: PLC0415
 
   import jflash  # noqa: PLC0415
   from jflash.backends.mosaic_gpu import (MosaicGpuBackend,  # noqa: PLC0415
                                           MosaicGpuConfig)
   backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
-  for head_dim in (64, 128, 256):
+  compile_offline = None
+  if plugin:
+    # Lowering for CUDA on the CPU: the backend's device check stands down.
+    from jflash.backends import mosaic_gpu  # noqa: PLC0415
+    mosaic_gpu._is_hopper = lambda: True
+    compile_offline = _offline_compiler(plugin)
+  for head_dim in head_dims:
     if head_dim > 128 and fields.get("fuse_dq"):
       continue  # the fused backward serves head dims up to 128
     q = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
@@ -36,7 +69,15 @@ def _compile(fields: dict) -> None:
         q, k, v, is_causal=True,
         implementation=backend).astype(jnp.float32).sum()
     print(f"=== head dim {head_dim}", flush=True)
-    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    if compile_offline is None:
+      jax.block_until_ready(grad(q, q, q))
+      continue
+    known = set(core.KNOWN_KERNELS)
+    grad.trace(q, q, q).lower(lowering_platforms=("cuda",))
+    for kernel_id, module in list(core.KNOWN_KERNELS.items()):
+      if kernel_id not in known:
+        compile_offline(module)
 
 
 def summarize(text: str) -> list[str]:
@@ -54,7 +95,8 @@ def summarize(text: str) -> list[str]:
       if "properties" in line or "Compiling" in line:
         continue
     low = line.lower()
-    if "spill" in low or "used" in low and "registers" in low:
+    if ("spill" in low or "used" in low and "registers" in low
+        or "ptxas warning" in low):
       lines.append(f"{function}: {line.strip()}")
   return lines
 
@@ -63,17 +105,44 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--config", nargs="*", default=[],
                       help="MosaicGpuConfig fields, e.g. fuse_dq=true")
+  parser.add_argument("--head-dims", default="64,128,256")
+  parser.add_argument("--offline", metavar="DIR", default=None,
+                      help="compile on a host without a GPU, with what "
+                      "tools/offline_cuda/setup.sh prepared in DIR")
+  parser.add_argument("--raw", metavar="FILE", default=None,
+                      help="write the compiler's whole output to FILE")
+  parser.add_argument("--sass", action="store_true",
+                      help="also dump SASS (into --raw's file)")
   parser.add_argument("--compile-only", action="store_true",
                       help=argparse.SUPPRESS)
+  parser.add_argument("--plugin", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   fields = _parse_config(args.config)
+  head_dims = [int(h) for h in args.head_dims.split(",")]
   if args.compile_only:
-    _compile(fields)
+    _compile(fields, head_dims, args.plugin)
     return
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-  done = subprocess.run(
-      [sys.executable, __file__, "--compile-only", "--config", *args.config],
-      env=env, capture_output=True, text=True, check=False)
+  if args.sass:
+    env["MOSAIC_GPU_DUMP_SASS"] = "1"
+  child = [sys.executable, __file__, "--compile-only", "--head-dims",
+           args.head_dims, "--config", *args.config]
+  if args.offline:
+    root = os.path.abspath(args.offline)
+    unpacked = os.path.join(root, "unpacked")
+    env.update(
+        LD_LIBRARY_PATH=os.path.join(root, "driver"),
+        MOSAIC_GPU_CUDA_ROOT=os.path.join(unpacked, "nvidia", "cu13"),
+        MOSAIC_GPU_RUNTIME_LIB_PATH=os.path.join(
+            unpacked, "jax_cuda13_plugin", "libmosaic_gpu_runtime.so"),
+        JAX_PLATFORMS="cpu")
+    child += ["--plugin", os.path.join(unpacked, "jax_plugins", "xla_cuda13",
+                                       "xla_cuda_plugin.so")]
+  done = subprocess.run(child, env=env, capture_output=True, text=True,
+                        check=False)
+  if args.raw:
+    with open(args.raw, "w") as f:
+      f.write(done.stdout + done.stderr)
   for line in summarize(done.stdout + done.stderr):
     print(line, flush=True)
   if done.returncode:
