@@ -130,9 +130,11 @@ def main() -> None:
   if args.offline:
     root = os.path.abspath(args.offline)
     unpacked = os.path.join(root, "unpacked")
+    cuda = os.path.join(unpacked, "nvidia", "cu13")
     env.update(
         LD_LIBRARY_PATH=os.path.join(root, "driver"),
-        MOSAIC_GPU_CUDA_ROOT=os.path.join(unpacked, "nvidia", "cu13"),
+        PATH=os.path.join(cuda, "bin") + os.pathsep + env.get("PATH", ""),
+        MOSAIC_GPU_CUDA_ROOT=cuda,
         MOSAIC_GPU_RUNTIME_LIB_PATH=os.path.join(
             unpacked, "jax_cuda13_plugin", "libmosaic_gpu_runtime.so"),
         JAX_PLATFORMS="cpu")

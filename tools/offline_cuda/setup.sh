@@ -13,7 +13,7 @@ jax_version="$("$PY" -c 'import jaxlib; print(jaxlib.__version__)')"
 mkdir -p "$dir/wheels"
 "$PY" -m pip download -q --no-deps -d "$dir/wheels" \
   "jax-cuda13-plugin==$jax_version" "jax-cuda13-pjrt==$jax_version" \
-  "nvidia-cuda-nvcc>=13,<14"
+  "nvidia-cuda-nvcc>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 for wheel in "$dir"/wheels/*.whl; do
   "$PY" -m zipfile -e "$wheel" "$dir/unpacked"
 done
