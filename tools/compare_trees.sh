@@ -15,9 +15,10 @@
 # ONLY="window" picks the windowed cell).
 # PTXAS=1 also
 # records each run's registers and spills (tools/ptxas_report.py) in
-# ptxas.log and prints them at the end.  Files written: one JSON per run,
-# runs.log, compare.log and ptxas.log (few files, so that all come back
-# from the GPU machine).
+# ptxas.log and prints them at the end.  ROUNDS=2 runs the whole list
+# twice (A B A B), to tell a difference from the clock's drift over a call.
+# Files written: runs.tar.gz (one JSON per run), runs.log, compare.log and
+# ptxas.log (few files, so that all come back from the GPU machine).
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
@@ -30,21 +31,25 @@ if [ -n "${ONLY:-}" ]; then
   IFS=';' read -r -a only <<< "$ONLY"
   only=(--only "${only[@]}")
 fi
+runs_dir="$(mktemp -d)"
+rounds="${ROUNDS:-1}"
+for round in $(seq 1 "$rounds"); do
 for run in "$@"; do
   IFS=+ read -r tree fields <<< "$run"
   label="${run//[+=]/_}"
+  [ "$rounds" -gt 1 ] && label="${label}_round$round"
   config=()
   if [ -n "$fields" ]; then
     IFS=+ read -r -a config <<< "$fields"
     config=(--config "${config[@]}")
   fi
-  echo "== $run" | tee -a "$OUT/runs.log"
+  echo "== $run (round $round)" | tee -a "$OUT/runs.log"
   PYTHONPATH=".trees/$tree" timeout "${RUN_TIMEOUT:-150}" "$PY" \
-    tools/mosaic_gpu_same.py --save "$OUT/$label.json" "${config[@]}" \
+    tools/mosaic_gpu_same.py --save "$runs_dir/$label.json" "${config[@]}" \
     "${only[@]}" ${SAME_ARGS:-} 2>&1 \
     | grep -E "^h=|Error|error" | tee -a "$OUT/runs.log"
-  [ -f "$OUT/$label.json" ] && files+=("$OUT/$label.json")
-  if [ "${PTXAS:-0}" = 1 ]; then
+  [ -f "$runs_dir/$label.json" ] && files+=("$runs_dir/$label.json")
+  if [ "${PTXAS:-0}" = 1 ] && [ "$round" = 1 ]; then
     echo "== $run" >> "$OUT/ptxas.log"
     config_fields=()
     [ -n "$fields" ] && IFS=+ read -r -a config_fields <<< "$fields"
@@ -52,8 +57,12 @@ for run in "$@"; do
       --config "${config_fields[@]}" >> "$OUT/ptxas.log" 2>&1
   fi
 done
+done
 echo "== comparisons against $1"
 "$PY" tools/mosaic_gpu_same.py --compare "${files[@]}" | tee "$OUT/compare.log"
+# One archive of the per-run JSON files: few files come back from a GPU
+# machine.
+tar -C "$runs_dir" -czf "$OUT/runs.tar.gz" . && rm -rf "$runs_dir"
 if [ "${PTXAS:-0}" = 1 ]; then
   echo "== ptxas: registers and spills"
   grep -E "^==|spill stores|Used" "$OUT/ptxas.log" \
