@@ -22,7 +22,11 @@ Usage (from the repository root, on the GPU; about 8 minutes for one head
 dim at S=16384)::
 
   PYTHONPATH=. python3 -m benchmarks.tune_mosaic_gpu --head-dims 128 \\
-      --seq 16384 --out tune.json
+      --seqs 16384 --out tune.json
+
+With several lengths (``--seqs 1024,16384``) the head dim's row comes from
+the longest, and the others give per-length entries for ``_BY_LENGTH``
+(:func:`length_table`).
 
 The shapes follow the benchmark grid: ``B*S = 16384`` tokens and
 ``N*H = 2048``.
@@ -265,10 +269,37 @@ def _show(row: dict) -> str:
   return f"  {row['pass_']:6s} {row['fields']}: {value}"
 
 
+def length_table(best_by_seq: dict[int, MosaicGpuConfig]
+                 ) -> tuple[MosaicGpuConfig, tuple[tuple[int, dict], ...]]:
+  """The head dim's row and its per-length entries from the best
+  configuration at each tuned length.
+
+  The row is the best at the longest length.  Each shorter length ``S``
+  gets an entry covering the keys up to the geometric mean of ``S`` and the
+  next tuned length, holding the fields in which its best differs from the
+  row (an empty entry keeps the row there).  No entries when every length
+  agrees with the row.
+  """
+  seqs = sorted(best_by_seq)
+  row = best_by_seq[seqs[-1]]
+  entries = []
+  for seq, longer in zip(seqs, seqs[1:]):
+    best = best_by_seq[seq]
+    fields = {f.name: getattr(best, f.name)
+              for f in dataclasses.fields(best)
+              if getattr(best, f.name) != getattr(row, f.name)}
+    entries.append((round(math.sqrt(seq * longer)), fields))
+  if not any(fields for _, fields in entries):
+    return row, ()
+  return row, tuple(entries)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--head-dims", default="64,128,256")
-  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--seqs", "--seq", dest="seqs", default="4096",
+                      help="comma-separated sequence lengths; with several, "
+                      "per-length entries are printed too")
   parser.add_argument("--masks", default=",".join(MASKS),
                       help=f"comma-separated, from {MASKS}")
   parser.add_argument("--min-gain", type=float, default=0.02,
@@ -281,33 +312,41 @@ def main() -> None:
   masks = tuple(args.masks.split(","))
   if not masks or any(m not in MASKS for m in masks):
     parser.error(f"--masks: expected names from {MASKS}, got {args.masks!r}")
+  seqs = sorted(int(x) for x in str(args.seqs).split(","))
   timer = TimerConfig(calls=args.calls, repeats=args.repeats, warmup=2)
   results, table = [], {}
 
   for head_dim in (int(h) for h in args.head_dims.split(",")):
-    default = default_config(head_dim, args.seq)
-    print(f"head dim {head_dim}, S={args.seq}, masks {masks} "
-          f"(default {default})", flush=True)
-    tuner = Tuner(head_dim, args.seq, masks, timer)
-    best, rows = tune(tuner.measure, head_dim, args.seq,
-                      lambda row: print(_show(row), flush=True),
-                      args.min_gain)
-    table[head_dim] = best
-    results.append(dict(head_dim=head_dim, seq=args.seq, masks=masks,
-                        min_gain=args.min_gain,
-                        default=dataclasses.asdict(default),
-                        best=dataclasses.asdict(best), rows=rows))
-    if args.out:
-      with open(args.out, "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind,
-                       jax=jax.__version__, results=results), f, indent=1)
+    best_by_seq = {}
+    for seq in seqs:
+      default = default_config(head_dim, seq)
+      print(f"head dim {head_dim}, S={seq}, masks {masks} "
+            f"(default {default})", flush=True)
+      tuner = Tuner(head_dim, seq, masks, timer)
+      best, rows = tune(tuner.measure, head_dim, seq,
+                        lambda row: print(_show(row), flush=True),
+                        args.min_gain)
+      best_by_seq[seq] = best
+      results.append(dict(head_dim=head_dim, seq=seq, masks=masks,
+                          min_gain=args.min_gain,
+                          default=dataclasses.asdict(default),
+                          best=dataclasses.asdict(best), rows=rows))
+      if args.out:
+        with open(args.out, "w") as f:
+          json.dump(dict(device=jax.devices()[0].device_kind,
+                         jax=jax.__version__, results=results), f, indent=1)
+    table[head_dim] = length_table(best_by_seq)
   print("\nPaste into jflash/backends/mosaic_gpu/config.py (_DEFAULTS):")
-  for head_dim, config in table.items():
+  for head_dim, (row, _) in table.items():
     fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(
-        config).items())
-    same = config == default_config(head_dim, args.seq)
+        row).items())
+    same = row == default_config(head_dim, seqs[-1])
     print(f"    {head_dim}: MosaicGpuConfig({fields}),"
           + ("  # the default, kept" if same else ""))
+  if len(seqs) > 1:
+    print("and (_BY_LENGTH):")
+    for head_dim, (_, entries) in table.items():
+      print(f"    {head_dim}: {entries!r},")
 
 
 if __name__ == "__main__":

@@ -131,10 +131,14 @@ def test_config_resolves_per_head_dim():
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-def test_key_tiles_never_wider_than_the_keys(head_dim):
+def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
   """With the number of keys known, the forward and dQ key tiles narrow to
   the smallest of 64, 128, 256 covering them (never widening the tuned
-  tile); an explicit tile is kept; long sequences get the tuned table."""
+  tile); an explicit tile is kept; long sequences get the tuned table.
+  (The narrowing alone: no per-length entries.)"""
+  from jflash.backends.mosaic_gpu import config as config_module
+  monkeypatch.setattr(config_module, "_BY_LENGTH",
+                      {64: (), 128: (), 256: ()})
   tuned = mosaic_gpu.default_config(head_dim)
   rng = _rng()
   for kv_len in [1, 64, 65, 128, 129, 256, 257, 4096,
@@ -150,6 +154,28 @@ def test_key_tiles_never_wider_than_the_keys(head_dim):
     assert others == {f: getattr(tuned, f) for f in others}
   explicit = MosaicGpuConfig(block_kv=tuned.block_kv).resolved(head_dim, 10)
   assert explicit.block_kv == tuned.block_kv
+
+
+def test_per_length_entries_apply_up_to_their_length(monkeypatch):
+  """A per-length entry replaces its fields for every kv_len up to its
+  bound (the first covering entry wins), before the narrowing rule; fields
+  the caller sets are kept; without kv_len the head dim's row applies."""
+  from jflash.backends.mosaic_gpu import config as config_module
+  monkeypatch.setattr(config_module, "_BY_LENGTH", {
+      64: (), 128: ((2048, dict(stages=3, block_kv_dq=64)),
+                    (8192, dict(stages=3))), 256: ()})
+  row = mosaic_gpu.default_config(128)
+  assert mosaic_gpu.default_config(128, 2048).stages == 3
+  assert mosaic_gpu.default_config(128, 2048).block_kv_dq == 64
+  assert mosaic_gpu.default_config(128, 2049).block_kv_dq == row.block_kv_dq
+  assert mosaic_gpu.default_config(128, 8192).stages == 3
+  assert mosaic_gpu.default_config(128, 8193) == row
+  assert mosaic_gpu.default_config(128) == row
+  # Narrowing still applies on top: 100 keys take a 128-key tile.
+  assert mosaic_gpu.default_config(128, 100).block_kv_dq == 64
+  assert mosaic_gpu.default_config(128, 100).block_kv == 128
+  assert MosaicGpuConfig(stages=2).resolved(128, 1000).stages == 2
+  assert mosaic_gpu.default_config(64, 1000) == mosaic_gpu.default_config(64)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

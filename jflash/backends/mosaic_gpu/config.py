@@ -148,6 +148,17 @@ _DEFAULTS = {
 }
 
 
+# Per padded head dim, fields that differ from the row above for shorter
+# sequences: ``(max_kv_len, fields)`` entries in increasing ``max_kv_len``;
+# the first entry with ``kv_len <= max_kv_len`` applies.  Printed by
+# benchmarks/tune_mosaic_gpu.py when it is given several lengths (a length
+# tuned at S covers the keys up to the geometric mean of S and the next
+# tuned length).  Empty: no length has yet had a winner over the row above
+# on both masks by the tuner's margin.
+_BY_LENGTH: dict[int, tuple[tuple[int, dict], ...]] = {64: (), 128: (),
+                                                        256: ()}
+
+
 def padded_head_dim(head_dim: int) -> int:
   """The head dim the kernels run at: 64, 128 or 256."""
   for size in (64, 128, 256):
@@ -161,15 +172,24 @@ def default_config(head_dim: int,
   """The tuned configuration for a head dim (padded to 64, 128 or 256),
   adjusted to the number of keys ``kv_len`` when given.
 
-  Shape rule: no key tile of the forward or the dQ pass is wider than the
-  keys.  A tile is narrowed to the smallest of 64, 128 and 256 that covers
-  ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do not
-  compute a 256-key tile for 77 keys); powers of two keep every pass's
-  tile a divisor of the padded length.
+  Length rules, in order:
+
+  * the tuned entries for shorter sequences (``_BY_LENGTH``: the first
+    entry whose ``max_kv_len`` covers ``kv_len`` replaces its fields);
+  * no key tile of the forward or the dQ pass is wider than the keys.  A
+    tile is narrowed to the smallest of 64, 128 and 256 that covers
+    ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do
+    not compute a 256-key tile for 77 keys); powers of two keep every
+    pass's tile a divisor of the padded length.
   """
-  config = _DEFAULTS[padded_head_dim(head_dim)]
+  padded = padded_head_dim(head_dim)
+  config = _DEFAULTS[padded]
   if kv_len is None:
     return config
+  for max_kv_len, fields in _BY_LENGTH[padded]:
+    if kv_len <= max_kv_len:
+      config = dataclasses.replace(config, **fields)
+      break
   cover = 64
   while cover < kv_len:
     cover *= 2
