@@ -308,7 +308,13 @@ def main() -> None:
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default=None, help="JSON file for all rows")
+  parser.add_argument("--combine", nargs="+", metavar="JSON", default=None,
+                      help="print the table from earlier runs' --out files "
+                      "(e.g. one length per device call); runs nothing")
   args = parser.parse_args()
+  if args.combine:
+    _print_table(_combined(args.combine))
+    return
   masks = tuple(args.masks.split(","))
   if not masks or any(m not in MASKS for m in masks):
     parser.error(f"--masks: expected names from {MASKS}, got {args.masks!r}")
@@ -335,17 +341,38 @@ def main() -> None:
         with open(args.out, "w") as f:
           json.dump(dict(device=jax.devices()[0].device_kind,
                          jax=jax.__version__, results=results), f, indent=1)
-    table[head_dim] = length_table(best_by_seq)
+    table[head_dim] = best_by_seq
+  _print_table(table)
+
+
+def _combined(paths: list[str]) -> dict[int, dict[int, MosaicGpuConfig]]:
+  """``{head_dim: {seq: best}}`` from ``--out`` files (a later file's
+  result for the same head dim and length wins)."""
+  table: dict[int, dict[int, MosaicGpuConfig]] = {}
+  for path in paths:
+    with open(path) as f:
+      for result in json.load(f)["results"]:
+        table.setdefault(result["head_dim"], {})[result["seq"]] = (
+            MosaicGpuConfig(**result["best"]))
+  return table
+
+
+def _print_table(table: dict[int, dict[int, MosaicGpuConfig]]) -> None:
+  """The rows for ``_DEFAULTS`` and, where several lengths were tuned, the
+  entries for ``_BY_LENGTH``, ready to paste."""
   print("\nPaste into jflash/backends/mosaic_gpu/config.py (_DEFAULTS):")
-  for head_dim, (row, _) in table.items():
+  several = any(len(by_seq) > 1 for by_seq in table.values())
+  entries_by_head = {}
+  for head_dim, by_seq in table.items():
+    row, entries_by_head[head_dim] = length_table(by_seq)
     fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(
         row).items())
-    same = row == default_config(head_dim, seqs[-1])
+    same = row == default_config(head_dim, max(by_seq))
     print(f"    {head_dim}: MosaicGpuConfig({fields}),"
           + ("  # the default, kept" if same else ""))
-  if len(seqs) > 1:
+  if several:
     print("and (_BY_LENGTH):")
-    for head_dim, (_, entries) in table.items():
+    for head_dim, entries in entries_by_head.items():
       print(f"    {head_dim}: {entries!r},")
 
 

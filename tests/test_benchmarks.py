@@ -288,6 +288,25 @@ def test_tuner_length_table(monkeypatch):
   assert length_table({4096: row}) == (row, ())
 
 
+def test_tuner_combines_runs_into_a_table(tmp_path):
+  """--combine prints the row and per-length entries from --out files of
+  separate runs (one length per device call), without running anything."""
+  from jflash.backends.mosaic_gpu import default_config
+  row = default_config(128)
+  short = dataclasses.replace(row, stages_dq=1)
+  for name, seq, best in (("long", 16384, row), ("short", 1024, short)):
+    (tmp_path / f"{name}.json").write_text(json.dumps(dict(results=[dict(
+        head_dim=128, seq=seq, best=dataclasses.asdict(best))])))
+  done = subprocess.run(
+      [sys.executable, "-m", "benchmarks.tune_mosaic_gpu", "--combine",
+       str(tmp_path / "long.json"), str(tmp_path / "short.json")],
+      capture_output=True, text=True, check=True,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert "128: MosaicGpuConfig(" in done.stdout
+  assert "# the default, kept" in done.stdout
+  assert "128: ((4096, {'stages_dq': 1}),)," in done.stdout
+
+
 def test_tuner_records_configurations_that_fail():
   from benchmarks import tune_mosaic_gpu
   from jflash.backends.mosaic_gpu import default_config
