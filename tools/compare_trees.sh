@@ -46,9 +46,16 @@ for run in "$@"; do
   echo "== $run (round $round)" | tee -a "$OUT/runs.log"
   PYTHONPATH=".trees/$tree" timeout "${RUN_TIMEOUT:-150}" "$PY" \
     tools/mosaic_gpu_same.py --save "$runs_dir/$label.json" "${config[@]}" \
-    "${only[@]}" ${SAME_ARGS:-} 2>&1 \
-    | grep -E "^h=|Error|error" | tee -a "$OUT/runs.log"
+    "${only[@]}" ${SAME_ARGS:-} > "$runs_dir/$label.log" 2>&1
+  status=$?
+  grep -E "^h=" "$runs_dir/$label.log" | tee -a "$OUT/runs.log"
   [ -f "$runs_dir/$label.json" ] && files+=("$runs_dir/$label.json")
+  if [ "$status" != 0 ]; then
+    # A failed run (an exception, a crash, or the timeout: 124): its last
+    # lines, and the whole log in runs.tar.gz.
+    echo "exit status $status; last lines:" | tee -a "$OUT/runs.log"
+    tail -25 "$runs_dir/$label.log" | cut -c1-300 | tee -a "$OUT/runs.log"
+  fi
   if [ "${PTXAS:-0}" = 1 ] && [ "$round" = 1 ]; then
     echo "== $run" >> "$OUT/ptxas.log"
     config_fields=()
