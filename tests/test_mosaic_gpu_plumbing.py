@@ -322,6 +322,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
     (128, dict(is_causal=True, lengths=True)),
     (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),
     (256, dict(lengths=True)),
+    (256, dict(segments=True, is_causal=True, soft_cap=3.0)),
 ])
 def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
   """Forward and backward kernels, in each configuration variant, trace and

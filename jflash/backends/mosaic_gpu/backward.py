@@ -16,7 +16,9 @@ and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
   inside one CTA, in a fixed order, makes the result deterministic without
   materializing repeated K/V.  At head dim 256 the two accumulators do not
   fit in one warpgroup's registers; both warpgroups then take the same keys,
-  one accumulating dV and the other dK.
+  one accumulating dV and the other dK.  The dV warpgroup forms ``P`` and
+  hands it to the dK warpgroup through shared memory, so that each
+  warpgroup does two of a step's four products.
 """
 
 from __future__ import annotations
@@ -112,13 +114,12 @@ class QueryRing:
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], self.do.at[slot],
                               self.do_ready.at[slot])
 
-  def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
-             logits: LogitTransform, full, mask, want_dp: bool):
-    """A consumer's first half of a step on slot ``slot``: the transposed
-    probabilities ``P^T = exp2(K Q^T (scaled) - lse2)`` of its keys
-    (``mask(s, q_seg)`` applied unless ``full``), the soft cap's derivative
-    (or None), ``dP^T = V dO^T`` (None unless ``want_dp``) and ``delta``
-    broadcast over the tile.  Leaves dO waited for; frees nothing."""
+  def probabilities(self, slot, *, k_smem, tile: tuple[int, int],
+                    logits: LogitTransform, full, mask):
+    """The transposed probabilities ``P^T = exp2(K Q^T (scaled) - lse2)``
+    of the step on slot ``slot`` (``mask(s, q_seg)`` applied unless
+    ``full``) and the soft cap's derivative (or None).  Waits for Q, the
+    row statistics and the segment ids."""
     plgpu.barrier_wait(self.q_ready.at[slot])
     plgpu.barrier_wait(self.stats_ready.at[slot])
     q_seg = None
@@ -128,22 +129,36 @@ class QueryRing:
           plgpu.load(self.segments.at[slot], layout=_COL), tile)
     lse2 = broadcast_cols(
         plgpu.load(self.stats.at[slot, 0], layout=_COL), tile)
-    delta = broadcast_cols(
-        plgpu.load(self.stats.at[slot, 1], layout=_COL), tile)
 
     def kq_product(acc_ref):
       plgpu.wgmma(acc_ref, k_smem, self.q.at[slot].transpose((1, 0)))
       return acc_ref[...]
     qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
-    p, derivative = _probabilities(qk, logits, full,
-                                   lambda s: mask(s, q_seg), lse2)
+    return _probabilities(qk, logits, full, lambda s: mask(s, q_seg), lse2)
+
+  def delta(self, slot, tile: tuple[int, int]) -> Array:
+    """``delta`` of the step's queries, broadcast over the tile (the row
+    statistics must have been waited for)."""
+    return broadcast_cols(
+        plgpu.load(self.stats.at[slot, 1], layout=_COL), tile)
+
+  def dp_product(self, slot, *, v_smem, tile: tuple[int, int]) -> Array:
+    """``dP^T = V dO^T`` of the step (dO must have been waited for)."""
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, v_smem, self.do.at[slot].transpose((1, 0)))
+      return acc_ref[...]
+    return pl.run_scoped(product, plgpu.ACC(tile, jnp.float32))
+
+  def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
+             logits: LogitTransform, full, mask, want_dp: bool):
+    """A consumer's first half of a step on slot ``slot``:
+    :meth:`probabilities`, ``dP^T`` (None unless ``want_dp``) and ``delta``
+    broadcast over the tile.  Leaves dO waited for; frees nothing."""
+    p, derivative = self.probabilities(slot, k_smem=k_smem, tile=tile,
+                                       logits=logits, full=full, mask=mask)
+    delta = self.delta(slot, tile)
     plgpu.barrier_wait(self.do_ready.at[slot])
-    dp = None
-    if want_dp:
-      def dp_product(acc_ref):
-        plgpu.wgmma(acc_ref, v_smem, self.do.at[slot].transpose((1, 0)))
-        return acc_ref[...]
-      dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+    dp = self.dp_product(slot, v_smem=v_smem, tile=tile) if want_dp else None
     return p, derivative, dp, delta
 
 
@@ -347,7 +362,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     split_outputs: both consumer warpgroups take the same ``block_kv`` keys;
       the first accumulates dV, the second dK.  For head dims whose two
       accumulators do not fit in one warpgroup's registers (256): the CTA
-      still reads Q and dO once for both outputs.
+      still reads Q and dO once for both outputs, and forms ``P`` once (in
+      the dV warpgroup, which hands it over through shared memory).
 
   Returns:
     ``(dk, dv)``, each ``[B, Sp, K, Hp]`` in the input dtype.
@@ -382,16 +398,23 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
 
     def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
-      ring, consumers_done = QueryRing(*rest[:-1]), rest[-1]
+      ring, consumers_done = QueryRing(*rest[:10]), rest[10]
+      p_smem, p_ready, p_free = rest[11:]
 
       def consume(want_dk: bool, want_dv: bool, buffer):
         """One consumer's loop over the steps, accumulating the wanted
-        outputs for keys ``buffer`` of the CTA, then their write-back."""
+        outputs for keys ``buffer`` of the CTA, then their write-back.
+
+        With one output each (``split_outputs``), the dV warpgroup forms
+        ``P^T`` (times the soft cap's derivative) and hands it to the dK
+        warpgroup through ``p_smem``, so that each step's four products
+        are split two and two rather than the dK warpgroup forming
+        ``P^T`` again."""
         kv_base = kv_block * keys_per_cta + buffer * block_kv
         rows = pl.ds(kv_base, block_kv)
         k_smem, v_smem = k_smem2.at[buffer], v_smem2.at[buffer]
         kv_seg = None
-        if kv_seg_ref is not None:
+        if kv_seg_ref is not None and want_dv:
           plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
           kv_seg = broadcast_rows(
               plgpu.load(kvseg_smem2.at[buffer], layout=_ROW), tile)
@@ -409,11 +432,12 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p, derivative, dp, delta = ring.scores(
-              slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-              full=full, mask=mask, want_dp=want_dk)
 
           if want_dv and want_dk:
+            p, derivative, dp, delta = ring.scores(
+                slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
+                full=full, mask=mask, want_dp=True)
+
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs
               plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
@@ -423,12 +447,33 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             dv, dk = pl.run_state(dv_dk_products)(
                 (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           elif want_dv:
+            p, derivative = ring.probabilities(
+                slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
+                mask=mask)
+
+            @pl.when(i >= 1)
+            def _():
+              plgpu.barrier_wait(p_free)
+            p_smem[...] = p if derivative is None else p * derivative
+            plgpu.barrier_arrive(p_ready)
+            plgpu.barrier_wait(ring.do_ready.at[slot])
+
             def dv_product(acc_ref):
               plgpu.wgmma(acc_ref, p.astype(dtype), ring.do.at[slot])
             dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
           else:
+            plgpu.barrier_wait(ring.stats_ready.at[slot])
+            delta = ring.delta(slot, tile)
+            plgpu.barrier_wait(ring.do_ready.at[slot])
+            dp = ring.dp_product(slot, v_smem=v_smem, tile=tile)
+            plgpu.barrier_wait(p_ready)
+            # P^T from the dV warpgroup, times the cap's derivative if any.
+            p_scaled = p_smem[...]
+            plgpu.barrier_arrive(p_free)
+            ds = p_scaled * (dp - delta)
+            plgpu.barrier_wait(ring.q_ready.at[slot])
+
             def dk_product(acc_ref):
-              ds = _score_gradient(p, dp, delta, derivative)
               plgpu.wgmma(acc_ref, ds.astype(dtype), ring.q.at[slot])
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
           plgpu.barrier_arrive(ring.do_free.at[slot])
@@ -497,6 +542,13 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         plgpu.Barrier(num_barriers=6),
         *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
         plgpu.Barrier(num_arrivals=2),
+        # P^T handed from the dV to the dK warpgroup (split outputs); one
+        # buffer, as a second does not fit next to a segment-id ring.
+        plgpu.SMEM((block_kv, block_q), jnp.float32,
+                   transforms=(common.F32_TILING, common.SWIZZLE))
+        if split_outputs else None,
+        plgpu.Barrier() if split_outputs else None,
+        plgpu.Barrier() if split_outputs else None,
         collective_axes="wg",
     )
 

@@ -64,8 +64,6 @@ Array = jax.Array
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
-_F32_TILING = plgpu.TilingTransform((8, 32))
-
 
 def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                         stats: Array, *, q_order: Array, q_count: Array,
@@ -302,7 +300,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
         common.smem_tile((2, 2, block_kv, block_q), dtype),
         plgpu.SMEM((block_q, head_dim), jnp.float32,
-                   transforms=(_F32_TILING, common.SWIZZLE)),
+                   transforms=(common.F32_TILING, common.SWIZZLE)),
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(),

@@ -68,6 +68,9 @@ def pass_turn(wg: Array) -> None:
 
 TILING = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)
+# Float32 tiles in shared memory that registers store and load in the
+# WGMMA layout: 128-byte rows of 32 elements.
+F32_TILING = plgpu.TilingTransform((8, 32))
 
 
 def smem_tile(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
