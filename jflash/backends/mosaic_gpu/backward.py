@@ -297,7 +297,9 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         q_smem[...] = (dq * logits.scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
-        plgpu.wait_smem_to_gmem(0)
+        # Only the copies' reads of shared memory must finish before the
+        # CTA leaves; their writes land by the end of the kernel.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(wg == 2)
       def _producer():
@@ -499,7 +501,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         plgpu.commit_smem()
         for smem, out_ref in written:
           plgpu.copy_smem_to_gmem(smem, out_ref.at[b, rows, kv_head])
-        plgpu.wait_smem_to_gmem(0)
+        # Only the copies' reads of shared memory must finish before the
+        # CTA leaves; their writes land by the end of the kernel.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(wg < 2)
       def _consumer():

@@ -233,7 +233,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, kv_head])
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, kv_head])
-        plgpu.wait_smem_to_gmem(0)
+        # Only the copies' reads of shared memory must finish before the
+        # CTA leaves; their writes land by the end of the kernel.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       def write_dq():
         """The writer: adds the staged contributions in rank order."""
