@@ -228,6 +228,29 @@ def test_classes_per_step_matches_direct_lookup():
           assert got[b, i, s, w] == c[b, 2 * i + w, o[b, i, s]]
 
 
+def test_row_statistics_match_float64():
+  """The backward's per-row inputs: base-2 logsumexp (+inf where the row
+  sees nothing) and ``delta = rowsum(dO * O) - dlse``, transposed to
+  ``[B, N, 2, Tp]`` with zero padding, against float64 NumPy."""
+  rng = _rng()
+  batch, t, n, h, tp = 2, 37, 3, 64, 48
+  out, d_out = (jnp.asarray(rng.standard_normal((batch, t, n, h)),
+                            jnp.bfloat16) for _ in range(2))
+  lse = rng.standard_normal((batch, n, tp)).astype(np.float32)
+  lse[0, 1, 3] = lse[1, 2, 36] = -np.inf
+  d_lse = rng.standard_normal((batch, t, n)).astype(np.float32)
+  got = np.asarray(jax.jit(mosaic_gpu._row_statistics, static_argnums=4)(
+      out, d_out, jnp.asarray(lse), jnp.asarray(d_lse), tp))
+  assert got.shape == (batch, n, 2, tp)
+  lse2 = np.where(np.isneginf(lse), np.inf, lse * np.log2(np.e))
+  np.testing.assert_allclose(got[:, :, 0], lse2, rtol=1e-6)
+  o64, do64 = (np.asarray(x, np.float64) for x in (out, d_out))
+  delta = (np.einsum("btnh,btnh->bnt", do64, o64)
+           - np.swapaxes(d_lse, 1, 2))
+  np.testing.assert_allclose(got[:, :, 1, :t], delta, rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(got[:, :, 1, t:], 0.0)
+
+
 def test_schedule_covers_every_visible_pair():
   """The forward's CTA schedule visits every tile holding a visible pair,
   and a tile a consumer treats as FULL has every pair visible."""

@@ -267,21 +267,35 @@ def _forward(q, k, v, mask, plan: _Plan):
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 
+def _row_statistics(out: jax.Array, d_out: jax.Array, lse: jax.Array,
+                    d_lse: jax.Array, q_pad: int) -> jax.Array:
+  """The backward kernels' per-row inputs, ``[B, N, 2, Tp]`` float32: the
+  base-2 logsumexp (+inf for rows that see nothing, so that their
+  recomputed probabilities are ``exp2(-inf) == 0``) and
+  ``delta = rowsum(dO * O) - dlse``.
+
+  ``out`` and ``d_out`` are ``[B, T, N, H]``, ``lse`` ``[B, N, Tp]`` (natural
+  log), ``d_lse`` ``[B, T, N]``; ``delta`` is zero-padded to ``Tp = q_pad``
+  rows.
+  """
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32),
+                  axis=-1) - d_lse.astype(jnp.float32)
+  # A reduction over the contiguous head dim in [B, T, N] order, kept apart
+  # from the transpose: fused together, XLA reads O and dO uncoalesced
+  # (0.27 ms instead of 0.05 ms at B*T = 16384, N*H = 2048 on an H200).
+  delta = jax.lax.optimization_barrier(delta)
+  delta = pad_axis(jnp.swapaxes(delta, 1, 2), 2, q_pad)
+  lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+  return jnp.stack([lse2, delta], axis=2)
+
+
 def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   c = plan.config
   pads = _padding(mask, plan)
   qp, kp, vp = _pad_inputs(q, k, v, pads)
   dop = pad_axis(pad_axis(d_out.astype(q.dtype), 1, pads.q_pad), 3,
                   pads.head_pad)
-  # delta = rowsum(dO * O) - dlse, in float32, [B, N, Tp].
-  delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
-                     out.astype(jnp.float32))
-  delta = pad_axis(delta - jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2), 2,
-                    pads.q_pad)
-  # Base-2 logsumexp; +inf for rows that see nothing, so that their
-  # recomputed probabilities are exp2(-inf) == 0.
-  lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
-  stats = jnp.stack([lse2, delta], axis=2)  # [B, N, 2, Tp]
+  stats = _row_statistics(out, d_out, lse, d_lse, pads.q_pad)
   extras = _mask_inputs(mask, pads)
   common_args = dict(spec=plan.spec, logits=plan.logits, **extras)
   t, s, h = mask.q_len, mask.kv_len, plan.head_dim
