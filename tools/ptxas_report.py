@@ -1,6 +1,7 @@
 """Registers and spills of the mosaic_gpu kernels, from ptxas: compiles the
-forward and backward once per head dim (64, 128, 256) on a small causal
-shape with ``MOSAIC_GPU_DUMP_PTXAS=1`` and prints, per kernel, the ``Used
+forward and backward once per head dim (64, 128, 256) on a small shape,
+causal unless ``--mask`` names another mask (none, segments, window,
+softcap), with ``MOSAIC_GPU_DUMP_PTXAS=1`` and prints, per kernel, the ``Used
 ... registers`` line, the stack/spill line and any ptxas warning (such as
 C7513, ``wgmma`` serialized).
 
@@ -46,7 +47,28 @@ def _offline_compiler(plugin: str):
   return run
 
 
-def _compile(fields: dict, head_dims: list[int], plugin: str | None) -> None:
+# Masks the kernels are compiled for (--mask): dot_product_attention
+# keyword arguments on a [1, 1024, 2, H] input.
+_MASKS = {
+    "causal": dict(is_causal=True),
+    "none": {},
+    "segments": {},  # segment ids made in _mask_kwargs
+    "window": dict(is_causal=True, local_window_size=(256, 0)),
+    "softcap": dict(is_causal=True, logits_soft_cap=30.0),
+}
+
+
+def _mask_kwargs(name: str) -> dict:
+  kwargs = dict(_MASKS[name])
+  if name == "segments":
+    import jax.numpy as jnp  # noqa: PLC0415 (the child process only)
+    kwargs["segment_ids"] = jnp.repeat(jnp.arange(4, dtype=jnp.int32),
+                                       256)[None]
+  return kwargs
+
+
+def _compile(fields: dict, head_dims: list[int], plugin: str | None,
+             mask: str = "causal") -> None:
   import jax  # noqa: PLC0415 (the child process only)
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import core  # noqa: PLC0415
@@ -65,9 +87,9 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None) -> None:
     if head_dim > 128 and fields.get("fuse_dq"):
       continue  # the fused backward serves head dims up to 128
     q = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
+    kwargs = _mask_kwargs(mask)
     loss = lambda q, k, v: jflash.dot_product_attention(  # noqa: E731
-        q, k, v, is_causal=True,
-        implementation=backend).astype(jnp.float32).sum()
+        q, k, v, implementation=backend, **kwargs).astype(jnp.float32).sum()
     print(f"=== head dim {head_dim}", flush=True)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     if compile_offline is None:
@@ -113,6 +135,8 @@ def main() -> None:
                       help="write the compiler's whole output to FILE")
   parser.add_argument("--sass", action="store_true",
                       help="also dump SASS (into --raw's file)")
+  parser.add_argument("--mask", default="causal", choices=sorted(_MASKS),
+                      help="the mask the kernels are compiled for")
   parser.add_argument("--compile-only", action="store_true",
                       help=argparse.SUPPRESS)
   parser.add_argument("--plugin", default=None, help=argparse.SUPPRESS)
@@ -120,13 +144,13 @@ def main() -> None:
   fields = _parse_config(args.config)
   head_dims = [int(h) for h in args.head_dims.split(",")]
   if args.compile_only:
-    _compile(fields, head_dims, args.plugin)
+    _compile(fields, head_dims, args.plugin, args.mask)
     return
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
   if args.sass:
     env["MOSAIC_GPU_DUMP_SASS"] = "1"
   child = [sys.executable, __file__, "--compile-only", "--head-dims",
-           args.head_dims, "--config", *args.config]
+           args.head_dims, "--mask", args.mask, "--config", *args.config]
   if args.offline:
     root = os.path.abspath(args.offline)
     unpacked = os.path.join(root, "unpacked")
