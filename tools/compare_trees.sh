@@ -12,7 +12,8 @@
 # SAME_ARGS adds arguments to every run (on a CPU, a smoke test of this
 # script: SAME_ARGS="--implementation xla --shrink 64").  ONLY picks cells
 # by name, alternatives separated by ";" (ONLY="h=128 s=16384;h=64";
-# ONLY="window" picks the windowed cell).
+# ONLY="window" picks the windowed cell; ONLY="softcap;segments" the
+# soft-cap and packed-segment cells, which run only when named).
 # PTXAS=1 also
 # records each run's registers and spills (tools/ptxas_report.py) in
 # ptxas.log and prints them at the end.  ROUNDS=2 runs the whole list

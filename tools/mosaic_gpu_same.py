@@ -22,11 +22,17 @@ import argparse
 import hashlib
 import json
 
-# (head dim, sequence length, causal, window); B * S = 16384, N * H = 2048.
-_CELLS = ((128, 16384, False, None), (128, 16384, True, None),
-          (128, 4096, True, None), (64, 4096, True, None),
-          (256, 4096, False, None), (128, 16384, True, (1024, 0)),
-          (128, 1024, False, None), (128, 1024, True, None))
+# (head dim, sequence length, causal, window, feature); B * S = 16384,
+# N * H = 2048.  A feature (a soft cap of 30, or 8 packed segments per row)
+# marks a cell that runs only when --only names it.
+_CELLS = ((128, 16384, False, None, None), (128, 16384, True, None, None),
+          (128, 4096, True, None, None), (64, 4096, True, None, None),
+          (256, 4096, False, None, None), (128, 16384, True, (1024, 0), None),
+          (128, 1024, False, None, None), (128, 1024, True, None, None),
+          (128, 4096, True, None, "softcap"), (64, 4096, True, None, "softcap"),
+          (128, 16384, False, None, "segments"),
+          (64, 4096, False, None, "segments"))
+_SEGMENTS = 8
 
 
 def _digest(x) -> str:
@@ -60,11 +66,14 @@ def _run(path: str, implementation: str, shrink: int,
 
   timer = TimerConfig(repeats=5, warmup=2)
   results = {}
-  for head_dim, seq, causal, window in _CELLS:
+  for head_dim, seq, causal, window, feature in _CELLS:
     label = f"h={head_dim} s={seq} causal={causal} window={window}"
+    label += f" {feature}" if feature else ""
     # Matched without "window=None", so that "window" picks windowed cells.
     matched = label.replace(" window=None", "")
     if only and not any(text in matched for text in only):
+      continue
+    if feature and not any(feature in text for text in only):
       continue
     heads, batch = 2048 // head_dim, 16384 // seq
     seq //= shrink
@@ -74,18 +83,27 @@ def _run(path: str, implementation: str, shrink: int,
     visible = seq * seq / 2 if causal else seq * seq
     if window is not None:
       visible = sum(min(i, window[0]) + 1 for i in range(seq))
+    extra = {}
+    if feature == "softcap":
+      extra = dict(logits_soft_cap=30.0)
+    elif feature == "segments":
+      extra = dict(segment_ids=jnp.repeat(
+          jnp.arange(_SEGMENTS, dtype=jnp.int32), seq // _SEGMENTS)[None]
+          .repeat(batch, axis=0))
+      visible = _SEGMENTS * (seq // _SEGMENTS) ** 2
     flops = 4 * batch * heads * visible * head_dim
 
-    def attend(q, k, v, causal=causal, window=window):
+    def attend(q, k, v, causal=causal, window=window, extra=extra):
       return jflash.dot_product_attention(
           q, k, v, is_causal=causal, local_window_size=window,
-          implementation=implementation)
+          implementation=implementation, **extra)
 
     def both(q, k, v, attend=attend):
       out, vjp = jax.vjp(attend, q, k, v)
       return (out, *vjp(cot))
     forward, both = jax.jit(attend), jax.jit(both)
     name = f"h={head_dim} s={seq} causal={causal} window={window}"
+    name += f" {feature}" if feature else ""
     try:
       values = both(q, k, v)
       t_fwd = time_function(forward, [(q, k, v)], timer)["ms"] * 1e-3
@@ -145,7 +163,9 @@ def main() -> None:
   parser.add_argument("--only", nargs="*", default=[],
                       help="run only the cells whose name (as printed, "
                       "before shrinking, without 'window=None') contains "
-                      "one of these, e.g. 'h=128 s=16384' or 'window'")
+                      "one of these, e.g. 'h=128 s=16384' or 'window'; "
+                      "the soft-cap and packed-segment cells run only when "
+                      "named ('softcap', 'segments')")
   args = parser.parse_args()
   if args.compare:
     _compare(*args.compare)
