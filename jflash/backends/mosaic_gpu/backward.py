@@ -162,6 +162,10 @@ class QueryRing:
     return p, derivative, dp, delta
 
 
+# How many scratch refs a QueryRing takes (its fields, in order).
+QUERY_RING_REFS = len(dataclasses.fields(QueryRing))
+
+
 def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
                        segments: bool) -> list:
   """Scratch for :class:`QueryRing`, in its field order."""
@@ -400,8 +404,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
 
     def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
-      ring, consumers_done = QueryRing(*rest[:10]), rest[10]
-      p_smem, p_ready, p_free = rest[11:]
+      ring = QueryRing(*rest[:QUERY_RING_REFS])
+      consumers_done, p_smem, p_ready, p_free = rest[QUERY_RING_REFS:]
 
       def consume(want_dk: bool, want_dv: bool, buffer):
         """One consumer's loop over the steps, accumulating the wanted
@@ -472,7 +476,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             # P^T from the dV warpgroup, times the cap's derivative if any.
             p_scaled = p_smem[...]
             plgpu.barrier_arrive(p_free)
-            ds = p_scaled * (dp - delta)
+            ds = _score_gradient(p_scaled, dp, delta, None)
             plgpu.barrier_wait(ring.q_ready.at[slot])
 
             def dk_product(acc_ref):

@@ -54,7 +54,8 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.backward import (QueryRing, _optional,
+from jflash.backends.mosaic_gpu.backward import (QUERY_RING_REFS, QueryRing,
+                                                 _optional,
                                                  _score_gradient,
                                                  query_ring_scratch)
 from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
@@ -133,8 +134,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
 
     def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
-      ring = QueryRing(*rest[:10])
-      ds_smem, dq_smem, ds_ready, ds_free, dq_ready, dq_free = rest[10:]
+      ring = QueryRing(*rest[:QUERY_RING_REFS])
+      (ds_smem, dq_smem, ds_ready, ds_free, dq_ready,
+       dq_free) = rest[QUERY_RING_REFS:]
 
       @pl.when(wg < 2)
       def _consumer():
