@@ -260,8 +260,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
 
         def step(i, dq):
-          slot = lax.rem(i, stages)
-          full = class_ref[b, q_block, i, wg] == masks.FULL
+          step_class = class_ref[b, q_block, i, wg]
+          full = step_class == masks.FULL
+          zero = common.loop_variant_zero(step_class)
+          slot = lax.rem(i, stages) + zero
+          q_smem, do_smem = q_smem2.at[wg + zero], do_smem2.at[wg + zero]
           plgpu.barrier_wait(k_ready.at[slot])
           kv_seg = None
           if kv_seg_ref is not None:
@@ -275,7 +278,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
 
           def masked(s):
-            return spec.mask_tile(s, row_start=q_base, col_tile=tile_at(i),
+            return spec.mask_tile(s, row_start=q_base + zero,
+                                  col_tile=tile_at(i),
                                   col_block=block_kv, rows_are_queries=True,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
@@ -418,7 +422,6 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         ``P^T`` again."""
         kv_base = kv_block * keys_per_cta + buffer * block_kv
         rows = pl.ds(kv_base, block_kv)
-        k_smem, v_smem = k_smem2.at[buffer], v_smem2.at[buffer]
         kv_seg = None
         if kv_seg_ref is not None and want_dv:
           plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
@@ -429,12 +432,16 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
         def step(i, carry):
           dk, dv = carry
-          slot = lax.rem(i, stages)
-          full = class_ref[b, kv_block, lax.rem(i, count), wg] == masks.FULL
+          step_class = class_ref[b, kv_block, lax.rem(i, count), wg]
+          full = step_class == masks.FULL
+          zero = common.loop_variant_zero(step_class)
+          slot = lax.rem(i, stages) + zero
+          k_smem = k_smem2.at[buffer + zero]
+          v_smem = v_smem2.at[buffer + zero]
 
           def mask(s, q_seg):
             _, q_tile = head_and_tile(i)
-            return spec.mask_tile(s, row_start=kv_base, col_tile=q_tile,
+            return spec.mask_tile(s, row_start=kv_base + zero, col_tile=q_tile,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
@@ -496,6 +503,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           plgpu.barrier_arrive(consumers_done)
           plgpu.barrier_wait(consumers_done)
         written = []
+        k_smem, v_smem = k_smem2.at[buffer], v_smem2.at[buffer]
         if want_dk:
           k_smem[...] = (dk * logits.scale).astype(dtype)
           written.append((k_smem, dk_ref))

@@ -163,14 +163,17 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
 
         def step(i, carry):
           dk, dv = carry
-          slot = lax.rem(i, stages)
+          step_class = class_ref[b, kv_block, lax.rem(i, count), wg]
+          full = step_class == masks.FULL
+          zero = common.loop_variant_zero(step_class)
+          slot = lax.rem(i, stages) + zero
+          k_smem, v_smem = k_smem2.at[wg + zero], v_smem2.at[wg + zero]
           # dS slot, and the consumer that forms this step's dQ product.
           turn = lax.rem(i, 2)
-          full = class_ref[b, kv_block, lax.rem(i, count), wg] == masks.FULL
 
           def mask(s, q_seg):
             _, q_tile = head_and_tile(i)
-            return spec.mask_tile(s, row_start=kv_base, col_tile=q_tile,
+            return spec.mask_tile(s, row_start=kv_base + zero, col_tile=q_tile,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
@@ -210,7 +213,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             def dq_product(acc_ref):
               for w in range(2):
                 plgpu.wgmma(acc_ref, ds_smem.at[turn, w].transpose((1, 0)),
-                            k_smem2.at[w])
+                            k_smem2.at[w + zero])
               return acc_ref[...]
             contribution = pl.run_scoped(
                 dq_product, plgpu.ACC((block_q, head_dim), jnp.float32))
