@@ -18,13 +18,14 @@
 # records each run's registers and spills (tools/ptxas_report.py) in
 # ptxas.log and prints them at the end.  ROUNDS=2 runs the whole list
 # twice (A B A B), to tell a difference from the clock's drift over a call.
+# XLA_EXTRA_FLAGS adds XLA flags to every run.
 # Files written: runs.tar.gz (one JSON per run), runs.log, compare.log and
 # ptxas.log (few files, so that all come back from the GPU machine).
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_FLAGS="--xla_backend_optimization_level=3"
+export XLA_FLAGS="--xla_backend_optimization_level=3 ${XLA_EXTRA_FLAGS:-}"
 PY="${PYTHON:-python3}"
 files=()
 only=()
