@@ -5,9 +5,15 @@
   of small programs whose run time is negligible, and this cuts compile
   time without changing results.  Tests that time or run large programs
   compile with ``compiler_options=OPTIMIZED``.
+* On a GPU, memory allocated as needed rather than most of it reserved up
+  front, unless the caller chose: ``pytest -n 8`` runs eight processes on
+  one GPU, and with JAX's default each reserves three quarters of its
+  memory, leaving the others too little.
 """
 
 import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 OPTIMIZED = {"xla_backend_optimization_level": 3}
 
