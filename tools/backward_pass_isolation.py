@@ -8,7 +8,10 @@ both kernels; the dK/dV kernel alone (the dQ kernel replaced by zeros at
 trace time); the dQ kernel alone.  It prints the digests and whether they
 agree, and repeats the full run to show it is deterministic.  A mismatch
 means one kernel leaves state the other reads (an out-of-bounds write, or a
-race whose outcome depends on what ran before).
+race whose outcome depends on what ran before).  It also prints digests of
+the backward's float32 row statistics (base-2 logsumexp and ``delta``),
+copied to the host as they are formed, so that two trees' runs can be
+compared for where their bits first part.
 
 Usage (from the repository root, on the GPU)::
 
@@ -47,7 +50,17 @@ def main() -> None:
   import numpy as np  # noqa: PLC0415
 
   import jflash  # noqa: PLC0415
+  from jflash.backends import mosaic_gpu  # noqa: PLC0415
   from jflash.backends.mosaic_gpu import backward  # noqa: PLC0415
+
+  seen_stats = []
+
+  def recording_statistics(original):
+    def record(*args, **kwargs):
+      stats = original(*args, **kwargs)
+      jax.debug.callback(lambda x: seen_stats.append(np.asarray(x)), stats)
+      return stats
+    return record
 
   def zeros_instead_of_dq(original):
     del original
@@ -66,17 +79,27 @@ def main() -> None:
     q, k, v, cot = (jnp.asarray(rng.standard_normal(
         (batch, seq, heads, head_dim)), jnp.bfloat16) for _ in range(4))
 
-    def grads():
+    def compiled():
       def attend(q, k, v):
         return jflash.dot_product_attention(
             q, k, v, is_causal=causal, logits_soft_cap=soft_cap,
             implementation="mosaic_gpu")
       # A fresh function each time, so that the patched kernels are traced.
-      run = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](cot))
-      return [_digest(x) for x in run(q, k, v)]
+      return jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](cot))
 
-    both = grads()
-    again = grads()
+    def grads(run=None):
+      return [_digest(x) for x in (run or compiled())(q, k, v)]
+
+    run = compiled()
+    both = grads(run)
+    again = grads(run)
+    seen_stats.clear()
+    with _replaced(mosaic_gpu, "_row_statistics", recording_statistics):
+      recorded = grads()
+    stats = seen_stats[-1]  # [B, N, 2, Tp]
+    print(f"{name}: lse2 {_digest(stats[:, :, 0])} delta "
+          f"{_digest(stats[:, :, 1])} dq/dk/dv {' '.join(both)} (with the "
+          f"statistics copied out: same={recorded == both})", flush=True)
     with _replaced(backward, "dq_kernel_call", zeros_instead_of_dq):
       dkv_alone = grads()
     with _replaced(backward, "dkv_kernel_call", zeros_instead_of_dkv):
