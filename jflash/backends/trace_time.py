@@ -30,12 +30,20 @@ def depends_on_shapes_only(mask: masks.AttentionMask) -> bool:
           and mask.q_segment_ids is None and mask.dense is None)
 
 
-def constant_if_static(make: Callable[[], Any], mask: masks.AttentionMask):
-  """``make()`` (a pytree of arrays), evaluated on the host while tracing
-  and embedded as constants when ``mask`` depends on shapes only and every
-  array is small; otherwise traced as usual."""
+def constant_if_static(build: Callable[..., Any], mask: masks.AttentionMask,
+                       *static: Any):
+  """``build(mask, *static)`` (a pytree of arrays), evaluated on the host
+  while tracing and embedded as constants when ``mask`` depends on shapes
+  only and every array is small; otherwise traced as usual.
+
+  ``build`` should be a module-level function and ``static`` hashable: the
+  schedule is compiled as one program (evaluated op by op, each of its few
+  hundred operations would be compiled on its own, seconds on the first
+  trace of each shape), and JAX's caches then serve every later trace of
+  the same shapes.
+  """
   if not depends_on_shapes_only(mask):
-    return make()
+    return build(mask, *static)
   try:
     device = jax.devices("cpu")[0]
   except RuntimeError:  # no CPU backend in this process
@@ -43,14 +51,17 @@ def constant_if_static(make: Callable[[], Any], mask: masks.AttentionMask):
   try:
     # Under shard_map the ambient mesh is manual, and eager arrays cannot
     # take a manual sharding: evaluate outside any mesh.
-    with jax.ensure_compile_time_eval(), jax.default_device(device), \
+    with jax.default_device(device), \
         jax.sharding.use_abstract_mesh(_NO_MESH):
-      values = jax.tree.map(np.asarray, make())
+      compiled = jax.jit(
+          build, static_argnums=tuple(range(1, 1 + len(static)))).lower(
+              mask, *static).compile()
+      values = jax.tree.map(np.asarray, compiled(mask))
   except ValueError:
-    # Eager evaluation is refused under an abstract-only mesh (exporting
-    # for another platform); the schedule is then traced as usual.
-    return make()
+    # Evaluation is refused under an abstract-only mesh (exporting for
+    # another platform); the schedule is then traced as usual.
+    return build(mask, *static)
   if max((v.size for v in jax.tree.leaves(values)), default=0) > \
       MAX_CONSTANT_ELEMENTS:
-    return make()
+    return build(mask, *static)
   return jax.tree.map(jnp.asarray, values)

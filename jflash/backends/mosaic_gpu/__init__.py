@@ -236,11 +236,11 @@ def _fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
 
 
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
-              pads: _Padded) -> tuple[Array, ...]:
-  """``make(mask, block_q, block_kv, pads)``; constants built while tracing
-  when the schedule depends on shapes only."""
-  return trace_time.constant_if_static(
-      lambda: make(mask, block_q, block_kv, pads), mask)
+              pads: _Padded, *more) -> tuple[Array, ...]:
+  """``make(mask, block_q, block_kv, pads, *more)``; constants built while
+  tracing when the schedule depends on shapes only."""
+  return trace_time.constant_if_static(make, mask, block_q, block_kv, pads,
+                                       *more)
 
 
 def _pad_inputs(q, k, v, pads: _Padded):
@@ -302,8 +302,8 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   if c.fuse_dq:
     slots = _fused_slots(c, pads)
     order, count, classes, ranks, visited = _metadata(
-        functools.partial(_fused_keys_metadata, slots=slots), mask,
-        c.block_q_dkv, c.block_kv_dkv, pads)
+        _fused_keys_metadata, mask, c.block_q_dkv, c.block_kv_dkv, pads,
+        slots)
     dq_sums, dk, dv = backward_fused.fused_backward_call(
         qp, kp, vp, dop, stats, q_order=order, q_count=count,
         classes=classes, ranks=ranks, block_q=c.block_q_dkv,

@@ -124,7 +124,7 @@ def metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
   """Tile visits from :func:`jflash.masks.tile_schedule`, cut to the static
   step counts of ``plan`` (never fewer than the nonempty tiles); constants
   built while tracing when they depend on shapes only."""
-  return trace_time.constant_if_static(lambda: _metadata(mask, plan), mask)
+  return trace_time.constant_if_static(_metadata, mask, plan)
 
 
 def _metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
