@@ -51,11 +51,15 @@ def constant_if_static(build: Callable[..., Any], mask: masks.AttentionMask,
   try:
     # Under shard_map the ambient mesh is manual, and eager arrays cannot
     # take a manual sharding: evaluate outside any mesh.
+    # The outputs placed on the CPU pin the program there, not on the
+    # accelerator the caller traces for.
+    placed = (None if device is None
+              else jax.sharding.SingleDeviceSharding(device))
     with jax.default_device(device), \
         jax.sharding.use_abstract_mesh(_NO_MESH):
       compiled = jax.jit(
-          build, static_argnums=tuple(range(1, 1 + len(static)))).lower(
-              mask, *static).compile()
+          build, static_argnums=tuple(range(1, 1 + len(static))),
+          out_shardings=placed).lower(mask, *static).compile()
       values = jax.tree.map(np.asarray, compiled(mask))
   except ValueError:
     # Evaluation is refused under an abstract-only mesh (exporting for
