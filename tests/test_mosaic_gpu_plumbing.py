@@ -421,13 +421,12 @@ def test_shape_only_metadata_compiles_once_per_schedule(fuse_dq,
   """Tracing forward and backward with a mask of shapes alone (causal and
   a window) builds each tile schedule with one XLA compilation, not one
   per array operation of the schedule (which took seconds per shape)."""
-  from jax._src import dispatch, monitoring  # noqa: PLC0415
   batch, t, s = 2, 1000, 1500
   mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=s, is_causal=True,
                              window=(300, 0))
+  config = MosaicGpuConfig(fuse_dq=fuse_dq).resolved(128)
   plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
-                          logits=LogitTransform(0.125, None),
-                          config=MosaicGpuConfig(fuse_dq=fuse_dq).resolved(128),
+                          logits=LogitTransform(0.125, None), config=config,
                           head_dim=128)
   q = jax.ShapeDtypeStruct((batch, t, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((batch, s, 2, 128), jnp.bfloat16)
@@ -437,12 +436,12 @@ def test_shape_only_metadata_compiles_once_per_schedule(fuse_dq,
                       lambda *a: schedules.append(a) or built(*a))
 
   def count(event, *_, **__):
-    if event == dispatch.BACKEND_COMPILE_EVENT:
+    if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(event)
-  monitoring.register_event_duration_secs_listener(count)
+  jax.monitoring.register_event_duration_secs_listener(count)
   try:
     jax.jit(_forward_and_backward(mask, plan)).trace(q, kv, kv)
   finally:
-    monitoring.unregister_event_duration_listener(count)
+    jax.monitoring.unregister_event_duration_listener(count)
   assert len(schedules) == (2 if fuse_dq else 3)
   assert 1 <= len(compiles) <= len(schedules)
