@@ -6,6 +6,7 @@ included) for each head dim.  The kernels themselves run in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -154,6 +155,29 @@ def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
     assert others == {f: getattr(tuned, f) for f in others}
   explicit = MosaicGpuConfig(block_kv=tuned.block_kv).resolved(head_dim, 10)
   assert explicit.block_kv == tuned.block_kv
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_feature_rules_narrow_key_tiles(head_dim):
+  """A soft cap narrows the dQ key tile to at most 64, segment ids the
+  forward key tile to at most 128 at head dim 64; nothing else changes,
+  the narrower of a feature's and the length rule's tile wins, and a
+  caller's explicit tile is kept."""
+  row = mosaic_gpu.default_config(head_dim)
+  capped = mosaic_gpu.default_config(head_dim, soft_cap=True)
+  assert capped.block_kv_dq == min(64, row.block_kv_dq)
+  assert dataclasses.replace(capped, block_kv_dq=row.block_kv_dq) == row
+  packed = mosaic_gpu.default_config(head_dim, segments=True)
+  assert packed.block_kv == (min(128, row.block_kv) if head_dim == 64
+                             else row.block_kv)
+  assert dataclasses.replace(packed, block_kv=row.block_kv) == row
+  both = MosaicGpuConfig().resolved(head_dim, 100, soft_cap=True,
+                                    segments=True)
+  assert both.block_kv_dq == 64
+  assert both.block_kv == min(128, packed.block_kv)
+  explicit = MosaicGpuConfig(block_kv_dq=row.block_kv_dq).resolved(
+      head_dim, 4096, soft_cap=True)
+  assert explicit.block_kv_dq == row.block_kv_dq
 
 
 def test_per_length_entries_apply_up_to_their_length(monkeypatch):

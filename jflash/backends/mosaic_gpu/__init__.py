@@ -95,11 +95,15 @@ class MosaicGpuBackend:
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
     head_dim = call.query.shape[-1]
-    plan = _Plan(spec=MaskSpec.of(call.mask),
+    spec = MaskSpec.of(call.mask)
+    config = self.config.resolved(
+        head_dim, call.mask.kv_len,
+        soft_cap=call.logits_soft_cap is not None,
+        segments=spec.has_segments)
+    plan = _Plan(spec=spec,
                  logits=LogitTransform(float(call.scale),
                                        call.logits_soft_cap),
-                 config=self.config.resolved(head_dim, call.mask.kv_len),
-                 head_dim=head_dim)
+                 config=config, head_dim=head_dim)
     return _attention(call.query, call.key, call.value, call.mask, plan)
 
 

@@ -94,10 +94,11 @@ class MosaicGpuConfig:
         raise ValueError(f"MosaicGpuConfig.{field.name} must be a positive "
                          f"multiple of 64, got {value}")
 
-  def resolved(self, head_dim: int,
-               kv_len: int | None = None) -> "MosaicGpuConfig":
+  def resolved(self, head_dim: int, kv_len: int | None = None, *,
+               soft_cap: bool = False,
+               segments: bool = False) -> "MosaicGpuConfig":
     """Every ``None`` field filled from :func:`default_config` for the head
-    dim and (when given) the number of keys.
+    dim, (when given) the number of keys, and the features in use.
 
     Raises:
       ValueError: ``fuse_dq`` at a head dim above 128, or a field set to a
@@ -105,7 +106,8 @@ class MosaicGpuConfig:
         run (``dq_slots`` without the fused backward; the dQ pass fields
         with it).
     """
-    base = default_config(head_dim, kv_len)
+    base = default_config(head_dim, kv_len, soft_cap=soft_cap,
+                          segments=segments)
     config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
         if getattr(self, f.name) is not None})
@@ -167,15 +169,28 @@ def padded_head_dim(head_dim: int) -> int:
   raise ValueError(f"head dim {head_dim} is above 256")
 
 
-def default_config(head_dim: int,
-                   kv_len: int | None = None) -> MosaicGpuConfig:
-  """The tuned configuration for a head dim (padded to 64, 128 or 256),
-  adjusted to the number of keys ``kv_len`` when given.
+# Feature rules: key tiles narrowed so that the kernels keep their tiles
+# in registers.  A soft cap keeps its derivative tile live through the dQ
+# step, which spills at a 128-key dQ tile (offline ptxas: 256 bytes at
+# head dim 128, 96 at 64) and not at 64; segment ids of a 256-key forward
+# tile take 64 registers per thread, spilling 292 bytes at head dim 64.
+_SOFT_CAP_MAX_BLOCK_KV_DQ = 64
+_SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 
-  Length rules, in order:
+
+def default_config(head_dim: int, kv_len: int | None = None, *,
+                   soft_cap: bool = False,
+                   segments: bool = False) -> MosaicGpuConfig:
+  """The tuned configuration for a head dim (padded to 64, 128 or 256),
+  adjusted to the number of keys ``kv_len`` when given and to the features
+  in use.
+
+  Rules, in order:
 
   * the tuned entries for shorter sequences (``_BY_LENGTH``: the first
     entry whose ``max_kv_len`` covers ``kv_len`` replaces its fields);
+  * features: with ``soft_cap`` the dQ key tile is at most 64; with
+    ``segments`` the forward key tile is at most 128 at head dim 64;
   * no key tile of the forward or the dQ pass is wider than the keys.  A
     tile is narrowed to the smallest of 64, 128 and 256 that covers
     ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do
@@ -184,15 +199,22 @@ def default_config(head_dim: int,
   """
   padded = padded_head_dim(head_dim)
   config = _DEFAULTS[padded]
-  if kv_len is None:
-    return config
-  for max_kv_len, fields in _BY_LENGTH[padded]:
-    if kv_len <= max_kv_len:
-      config = dataclasses.replace(config, **fields)
-      break
-  cover = 64
-  while cover < kv_len:
-    cover *= 2
-  narrowed = {name: cover for name in ("block_kv", "block_kv_dq")
-              if cover < getattr(config, name)}
+  if kv_len is not None:
+    for max_kv_len, fields in _BY_LENGTH[padded]:
+      if kv_len <= max_kv_len:
+        config = dataclasses.replace(config, **fields)
+        break
+  widest = {}
+  if soft_cap:
+    widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ
+  if segments:
+    widest["block_kv"] = _SEGMENTS_MAX_BLOCK_KV[padded]
+  if kv_len is not None:
+    cover = 64
+    while cover < kv_len:
+      cover *= 2
+    for name in ("block_kv", "block_kv_dq"):
+      widest[name] = min(cover, widest.get(name, cover))
+  narrowed = {name: width for name, width in widest.items()
+              if width < getattr(config, name)}
   return dataclasses.replace(config, **narrowed) if narrowed else config
