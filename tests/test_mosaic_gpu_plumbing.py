@@ -159,13 +159,14 @@ def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_feature_rules_narrow_key_tiles(head_dim):
-  """A soft cap narrows the dQ key tile to at most 64, segment ids the
-  forward key tile to at most 128 at head dim 64; nothing else changes,
+  """A soft cap narrows the dQ key tile to at most 64 above head dim 64,
+  segment ids the forward key tile to at most 128 at head dim 64; nothing else changes,
   the narrower of a feature's and the length rule's tile wins, and a
   caller's explicit tile is kept."""
   row = mosaic_gpu.default_config(head_dim)
   capped = mosaic_gpu.default_config(head_dim, soft_cap=True)
-  assert capped.block_kv_dq == min(64, row.block_kv_dq)
+  assert capped.block_kv_dq == (row.block_kv_dq if head_dim == 64
+                                else min(64, row.block_kv_dq))
   assert dataclasses.replace(capped, block_kv_dq=row.block_kv_dq) == row
   packed = mosaic_gpu.default_config(head_dim, segments=True)
   assert packed.block_kv == (min(128, row.block_kv) if head_dim == 64
@@ -173,7 +174,7 @@ def test_feature_rules_narrow_key_tiles(head_dim):
   assert dataclasses.replace(packed, block_kv=row.block_kv) == row
   both = MosaicGpuConfig().resolved(head_dim, 100, soft_cap=True,
                                     segments=True)
-  assert both.block_kv_dq == 64
+  assert both.block_kv_dq == min(capped.block_kv_dq, 128)  # 100 keys
   assert both.block_kv == min(128, packed.block_kv)
   explicit = MosaicGpuConfig(block_kv_dq=row.block_kv_dq).resolved(
       head_dim, 4096, soft_cap=True)

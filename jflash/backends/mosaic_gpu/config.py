@@ -169,12 +169,15 @@ def padded_head_dim(head_dim: int) -> int:
   raise ValueError(f"head dim {head_dim} is above 256")
 
 
-# Feature rules: key tiles narrowed so that the kernels keep their tiles
-# in registers.  A soft cap keeps its derivative tile live through the dQ
-# step, which spills at a 128-key dQ tile (offline ptxas: 256 bytes at
-# head dim 128, 96 at 64) and not at 64; segment ids of a 256-key forward
-# tile take 64 registers per thread, spilling 292 bytes at head dim 64.
-_SOFT_CAP_MAX_BLOCK_KV_DQ = 64
+# Feature rules, per padded head dim: key tiles narrowed so that the
+# kernels keep their tiles in registers.  A soft cap keeps its derivative
+# tile live through the dQ step, which spills at a 128-key dQ tile
+# (offline ptxas: 256 bytes at head dim 128, 96 at 64) and not at 64; on
+# an H200 the 64-key tile gained 5% fwd+bwd at head dim 128 and lost 1% at
+# 64, which keeps 128.  Segment ids of a 256-key forward tile take 64
+# registers per thread, spilling 292 bytes at head dim 64 (128-key tiles:
+# +12% forward there).
+_SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
 _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 
 
@@ -189,8 +192,9 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
 
   * the tuned entries for shorter sequences (``_BY_LENGTH``: the first
     entry whose ``max_kv_len`` covers ``kv_len`` replaces its fields);
-  * features: with ``soft_cap`` the dQ key tile is at most 64; with
-    ``segments`` the forward key tile is at most 128 at head dim 64;
+  * features: with ``soft_cap`` the dQ key tile is at most 64 at head
+    dims 128 and 256; with ``segments`` the forward key tile is at most
+    128 at head dim 64;
   * no key tile of the forward or the dQ pass is wider than the keys.  A
     tile is narrowed to the smallest of 64, 128 and 256 that covers
     ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do
@@ -206,7 +210,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
         break
   widest = {}
   if soft_cap:
-    widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ
+    widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ[padded]
   if segments:
     widest["block_kv"] = _SEGMENTS_MAX_BLOCK_KV[padded]
   if kv_len is not None:
