@@ -214,6 +214,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                             q_segments=q_segments, kv_segments=kv_segments)
 
   num_q_blocks = q_pad // (2 * block_q)
+  # With one K/V buffer (head dim 256), V is loaded and used first: its next
+  # tile then streams in while this step still works on K (S, dS, dQ), and
+  # the next K while the next step forms dP, instead of both arriving only
+  # after the step has released K.
+  dp_first = stages == 1
 
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
              class_ref, block_order_ref, *rest):
@@ -265,6 +270,19 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(i, stages) + zero
           q_smem, do_smem = q_smem2.at[wg + zero], do_smem2.at[wg + zero]
+
+          def dp_product(acc_ref):
+            plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+          def dp_then_free_v():
+            plgpu.barrier_wait(v_ready.at[slot])
+            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return dp
+
+          if dp_first:
+            dp = dp_then_free_v()
           plgpu.barrier_wait(k_ready.at[slot])
           kv_seg = None
           if kv_seg_ref is not None:
@@ -284,13 +302,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
           p, derivative = _probabilities(qk, logits, full, masked, lse2)
-          plgpu.barrier_wait(v_ready.at[slot])
-
-          def dp_product(acc_ref):
-            plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
-          plgpu.barrier_arrive(v_free.at[slot])
+          if not dp_first:
+            dp = dp_then_free_v()
           ds = _score_gradient(p, dp, delta, derivative)
 
           def dq_product(acc_ref):
@@ -314,9 +327,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
         kv_head = lax.div(head, group)
+        k_stream = (k_ref, k_smem, k_ready, k_free, kv_head)
+        v_stream = (v_ref, v_smem, v_ready, v_free, kv_head)
         common.stream_tiles(count, tile_at, stages, block_kv,
-                            [(k_ref, k_smem, k_ready, k_free, kv_head),
-                             (v_ref, v_smem, v_ready, v_free, kv_head)],
+                            [v_stream, k_stream] if dp_first
+                            else [k_stream, v_stream],
                             b, kv_seg_ref, kvseg_smem, kvseg_ready)
 
     segments = spec.has_segments
