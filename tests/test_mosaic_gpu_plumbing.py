@@ -470,3 +470,16 @@ def test_shape_only_metadata_compiles_once_per_schedule(fuse_dq,
     jax.monitoring.unregister_event_duration_listener(count)
   assert len(schedules) == (2 if fuse_dq else 3)
   assert 1 <= len(compiles) <= len(schedules)
+
+
+@pytest.mark.parametrize("width", [1, 3, 64, 80, 128, 256])
+def test_row_statistics_sum_matches_a_float64_sum(width):
+  """delta's fixed-order row sum agrees with a float64 sum on random rows
+  of any width (padded to a power of two with zeros), to float32 rounding."""
+  x = jax.random.normal(jax.random.key(width), (3, 5, width), jnp.float32)
+  got = mosaic_gpu._fixed_order_row_sum(x)
+  want = np.asarray(x, np.float64).sum(-1)
+  assert got.shape == (3, 5) and got.dtype == jnp.float32
+  scale = np.abs(np.asarray(x, np.float64)).sum(-1)
+  assert np.all(np.abs(np.asarray(got, np.float64) - want)
+                <= 4 * width * np.finfo(np.float32).eps * scale + 1e-30)

@@ -271,6 +271,25 @@ def _forward(q, k, v, mask, plan: _Plan):
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 
+def _fixed_order_row_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis as a fixed tree of elementwise additions.
+
+  ``jnp.sum`` leaves the order of the additions to XLA, which may pick a
+  different reduction strategy in another process (its autotuner), and so
+  different bits; dQ and dK inherit them through ``delta``.  Halving the
+  axis until one column is left fixes every addition, so the backward's
+  gradients are bitwise reproducible across processes.
+  """
+  width = 1
+  while width < x.shape[-1]:
+    width *= 2
+  x = pad_axis(x, x.ndim - 1, width)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
 def _row_statistics(out: jax.Array, d_out: jax.Array, lse: jax.Array,
                     d_lse: jax.Array, q_pad: int) -> jax.Array:
   """The backward kernels' per-row inputs, ``[B, N, 2, Tp]`` float32: the
@@ -282,11 +301,12 @@ def _row_statistics(out: jax.Array, d_out: jax.Array, lse: jax.Array,
   log), ``d_lse`` ``[B, T, N]``; ``delta`` is zero-padded to ``Tp = q_pad``
   rows.
   """
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32),
-                  axis=-1) - d_lse.astype(jnp.float32)
-  # A reduction over the contiguous head dim in [B, T, N] order, kept apart
-  # from the transpose: fused together, XLA reads O and dO uncoalesced
-  # (0.27 ms instead of 0.05 ms at B*T = 16384, N*H = 2048 on an H200).
+  delta = _fixed_order_row_sum(
+      d_out.astype(jnp.float32) * out.astype(jnp.float32)
+  ) - d_lse.astype(jnp.float32)
+  # Computed in [B, T, N] order, kept apart from the transpose: fused
+  # together, XLA reads O and dO uncoalesced (0.27 ms instead of 0.05 ms at
+  # B*T = 16384, N*H = 2048 on an H200, measured with a reduction).
   delta = jax.lax.optimization_barrier(delta)
   delta = pad_axis(jnp.swapaxes(delta, 1, 2), 2, q_pad)
   lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
