@@ -194,13 +194,41 @@ def test_per_length_entries_apply_up_to_their_length(monkeypatch):
   assert mosaic_gpu.default_config(128, 2048).block_kv_dq == 64
   assert mosaic_gpu.default_config(128, 2049).block_kv_dq == row.block_kv_dq
   assert mosaic_gpu.default_config(128, 8192).stages == 3
-  assert mosaic_gpu.default_config(128, 8193) == row
+  # Past the entries only the fused-backward rule changes the row.
+  assert mosaic_gpu.default_config(128, 8193) == dataclasses.replace(
+      row, fuse_dq=True)
   assert mosaic_gpu.default_config(128) == row
   # Narrowing still applies on top: 100 keys take a 128-key tile.
   assert mosaic_gpu.default_config(128, 100).block_kv_dq == 64
   assert mosaic_gpu.default_config(128, 100).block_kv == 128
   assert MosaicGpuConfig(stages=2).resolved(128, 1000).stages == 2
   assert mosaic_gpu.default_config(64, 1000) == mosaic_gpu.default_config(64)
+
+
+def test_fused_backward_default_follows_keys_per_query():
+  """At head dim 128 the fused backward is the default once every query can
+  see 8192 keys (a window's span counts, not the sequence), without a soft
+  cap or segment ids, and never at head dims 64 or 256; dQ-pass tiles set
+  by the caller keep the two-pass backward at every length."""
+  assert mosaic_gpu.default_config(128, 8192).fuse_dq
+  assert mosaic_gpu.default_config(100, 16384).fuse_dq
+  assert not mosaic_gpu.default_config(128, 8191).fuse_dq
+  assert not mosaic_gpu.default_config(128).fuse_dq
+  assert not mosaic_gpu.default_config(64, 65536).fuse_dq
+  assert not mosaic_gpu.default_config(256, 65536).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, window=(1024, 0)).fuse_dq
+  assert mosaic_gpu.default_config(128, 16384, window=(8191, 0)).fuse_dq
+  assert mosaic_gpu.default_config(128, 16384, window=(4096, 4095)).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, soft_cap=True).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, segments=True).fuse_dq
+  two_pass = MosaicGpuConfig(block_kv_dq=64).resolved(128, 16384)
+  assert not two_pass.fuse_dq and two_pass.block_kv_dq == 64
+  assert MosaicGpuConfig(dq_slots=2).resolved(128, 16384).dq_slots == 2
+  assert not MosaicGpuConfig(fuse_dq=False).resolved(128, 16384).fuse_dq
+  with pytest.raises(ValueError, match="dq_slots"):
+    MosaicGpuConfig(dq_slots=2).resolved(128, 4096)
+  with pytest.raises(ValueError, match="block_kv_dq"):
+    MosaicGpuConfig(fuse_dq=True, block_kv_dq=64).resolved(128, 16384)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

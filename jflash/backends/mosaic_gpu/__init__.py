@@ -99,7 +99,7 @@ class MosaicGpuBackend:
     config = self.config.resolved(
         head_dim, call.mask.kv_len,
         soft_cap=call.logits_soft_cap is not None,
-        segments=spec.has_segments)
+        segments=spec.has_segments, window=spec.window)
     plan = _Plan(spec=spec,
                  logits=LogitTransform(float(call.scale),
                                        call.logits_soft_cap),

@@ -95,10 +95,13 @@ class MosaicGpuConfig:
                          f"multiple of 64, got {value}")
 
   def resolved(self, head_dim: int, kv_len: int | None = None, *,
-               soft_cap: bool = False,
-               segments: bool = False) -> "MosaicGpuConfig":
+               soft_cap: bool = False, segments: bool = False,
+               window: tuple[int, int] | None = None) -> "MosaicGpuConfig":
     """Every ``None`` field filled from :func:`default_config` for the head
     dim, (when given) the number of keys, and the features in use.
+
+    With ``fuse_dq`` left to the default, setting any field of the
+    separate dQ pass selects the two-pass backward.
 
     Raises:
       ValueError: ``fuse_dq`` at a head dim above 128, or a field set to a
@@ -107,7 +110,12 @@ class MosaicGpuConfig:
         with it).
     """
     base = default_config(head_dim, kv_len, soft_cap=soft_cap,
-                          segments=segments)
+                          segments=segments, window=window)
+    if (self.fuse_dq is None and base.fuse_dq
+        and any(getattr(self, name) is not None for name in _DQ_PASS_ONLY)):
+      # Tiles given for the separate dQ pass choose the two-pass backward,
+      # so that a configuration valid at one length stays valid at another.
+      base = dataclasses.replace(base, fuse_dq=False)
     config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
         if getattr(self, f.name) is not None})
@@ -180,10 +188,27 @@ def padded_head_dim(head_dim: int) -> int:
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
 _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 
+# The fused backward (five tile products instead of seven) pays for itself
+# once every query sees many keys, so that the fixed-order dQ accumulation
+# rarely makes a CTA wait.  On an H200 at head dim 128: +5.6% fwd+bwd at
+# 16384 keys without a mask, +4.2% causal; even (-0.3%) at 4096 causal;
+# -12% at 1024; -9% with a 1024-key window over 16384 keys; -6% at head
+# dim 64 (4096 causal).  Soft caps and segment ids are unmeasured with it
+# and keep the two-pass backward.
+_FUSED_MIN_KEYS_PER_QUERY = {64: None, 128: 8192, 256: None}
+
+
+def keys_per_query(kv_len: int, window: tuple[int, int] | None) -> int:
+  """The most keys one query can see: ``kv_len``, or the window's span."""
+  if window is None:
+    return kv_len
+  return min(kv_len, window[0] + window[1] + 1)
+
 
 def default_config(head_dim: int, kv_len: int | None = None, *,
                    soft_cap: bool = False,
-                   segments: bool = False) -> MosaicGpuConfig:
+                   segments: bool = False,
+                   window: tuple[int, int] | None = None) -> MosaicGpuConfig:
   """The tuned configuration for a head dim (padded to 64, 128 or 256),
   adjusted to the number of keys ``kv_len`` when given and to the features
   in use.
@@ -192,6 +217,9 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
 
   * the tuned entries for shorter sequences (``_BY_LENGTH``: the first
     entry whose ``max_kv_len`` covers ``kv_len`` replaces its fields);
+  * the fused backward (``fuse_dq``) at head dim 128 when each query can
+    see at least 8192 keys (``kv_len``, or the ``window``'s span when it
+    is shorter), without a soft cap or segment ids;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
     128 at head dim 64;
@@ -208,6 +236,10 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
       if kv_len <= max_kv_len:
         config = dataclasses.replace(config, **fields)
         break
+    fused_from = _FUSED_MIN_KEYS_PER_QUERY[padded]
+    if (fused_from is not None and not soft_cap and not segments
+        and keys_per_query(kv_len, window) >= fused_from):
+      config = dataclasses.replace(config, fuse_dq=True)
   widest = {}
   if soft_cap:
     widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ[padded]
