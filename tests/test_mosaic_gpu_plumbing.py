@@ -196,7 +196,7 @@ def test_per_length_entries_apply_up_to_their_length(monkeypatch):
   assert mosaic_gpu.default_config(128, 8192).stages == 3
   # Past the entries only the fused-backward rule changes the row.
   assert mosaic_gpu.default_config(128, 8193) == dataclasses.replace(
-      row, fuse_dq=True)
+      row, fuse_dq=True, dq_slots=1)
   assert mosaic_gpu.default_config(128) == row
   # Narrowing still applies on top: 100 keys take a 128-key tile.
   assert mosaic_gpu.default_config(128, 100).block_kv_dq == 64
@@ -211,6 +211,7 @@ def test_fused_backward_default_follows_keys_per_query():
   cap or segment ids, and never at head dims 64 or 256; dQ-pass tiles set
   by the caller keep the two-pass backward at every length."""
   assert mosaic_gpu.default_config(128, 8192).fuse_dq
+  assert mosaic_gpu.default_config(128, 8192).dq_slots == 1
   assert mosaic_gpu.default_config(100, 16384).fuse_dq
   assert not mosaic_gpu.default_config(128, 8191).fuse_dq
   assert not mosaic_gpu.default_config(128).fuse_dq

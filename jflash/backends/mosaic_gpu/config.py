@@ -194,7 +194,9 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # 16384 keys without a mask, +4.2% causal; even (-0.3%) at 4096 causal;
 # -12% at 1024; -9% with a 1024-key window over 16384 keys; -6% at head
 # dim 64 (4096 causal).  Soft caps and segment ids are unmeasured with it
-# and keep the two-pass backward.
+# and keep the two-pass backward.  One dQ accumulator: at 16384 keys one,
+# two and four ran at the same speed (525.0, 530.9, 527.6 TFLOP/s), and
+# each takes 4 bytes per element of Q.
 _FUSED_MIN_KEYS_PER_QUERY = {64: None, 128: 8192, 256: None}
 
 
@@ -219,7 +221,8 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     entry whose ``max_kv_len`` covers ``kv_len`` replaces its fields);
   * the fused backward (``fuse_dq``) at head dim 128 when each query can
     see at least 8192 keys (``kv_len``, or the ``window``'s span when it
-    is shorter), without a soft cap or segment ids;
+    is shorter), without a soft cap or segment ids, with one dQ
+    accumulator;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
     128 at head dim 64;
@@ -239,7 +242,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     fused_from = _FUSED_MIN_KEYS_PER_QUERY[padded]
     if (fused_from is not None and not soft_cap and not segments
         and keys_per_query(kv_len, window) >= fused_from):
-      config = dataclasses.replace(config, fuse_dq=True)
+      config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
   widest = {}
   if soft_cap:
     widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ[padded]
