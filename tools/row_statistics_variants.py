@@ -59,9 +59,35 @@ def _variants():
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * log2e)
     return jnp.stack([lse2, delta], axis=2)
 
-  # "current" (mosaic_gpu._row_statistics) is the row reduction behind an
-  # optimization barrier.
+  def reduction_barrier(out, d_out, lse, d_lse, q_pad):
+    """The earlier formulation: a row reduction (its order left to XLA,
+    which may pick it per process) behind a barrier."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32),
+                    axis=-1) - d_lse.astype(jnp.float32)
+    return finish(delta, lse, q_pad, True)
+
+  def tree_by_columns(out, d_out, lse, d_lse, q_pad, columns=32):
+    """A fixed order in two stages: halve ``[..., H / columns, columns]``
+    over its first axis (neighbouring threads read neighbouring columns),
+    materialize the ``columns`` partial sums, then halve those."""
+    x = d_out.astype(jnp.float32) * out.astype(jnp.float32)
+    h = x.shape[-1]
+    if h % columns:
+      return mosaic_gpu._row_statistics(out, d_out, lse, d_lse, q_pad)  # noqa: SLF001
+    x = x.reshape(*x.shape[:-1], h // columns, columns)
+    while x.shape[-2] > 1:
+      half = x.shape[-2] // 2
+      x = x[..., :half, :] + x[..., half:, :]
+    partial = jax.lax.optimization_barrier(x[..., 0, :])
+    delta = mosaic_gpu._fixed_order_row_sum(partial)  # noqa: SLF001
+    return finish(delta - d_lse.astype(jnp.float32), lse, q_pad, True)
+
+  # "current" (mosaic_gpu._row_statistics) is a fixed halving tree of
+  # elementwise additions behind an optimization barrier.
   return {"current": mosaic_gpu._row_statistics,  # noqa: SLF001
+          "reduction_barrier": reduction_barrier,
+          "tree_by_32_columns": tree_by_columns,
+          "tree_by_8_columns": lambda *a: tree_by_columns(*a, columns=8),
           "fused_einsum": fused_einsum,
           "row_reduce": row_reduce,
           "batched_dot_barrier": batched_dot}
