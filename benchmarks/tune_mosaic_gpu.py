@@ -1,7 +1,8 @@
 """Sweep ``MosaicGpuConfig`` candidates on the current Hopper GPU and print
 the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 
-The search starts from the current default and changes one group of fields
+The search starts from the current tuned table (``tuned_config``, before
+the measured rules of ``default_config``) and changes one group of fields
 at a time: the forward tiling (block_q, block_kv, stages), then the
 ``overlap_qk`` switch, timing the forward alone; then the backward's groups
 (dQ tiles, dK/dV tiles, ring depths, ``fuse_dq`` where the head dim allows
@@ -49,7 +50,7 @@ import numpy as np
 import jflash
 from benchmarks.timing import TimerConfig, time_functions
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-from jflash.backends.mosaic_gpu.config import default_config
+from jflash.backends.mosaic_gpu.config import tuned_config
 
 _SMEM_BYTES = 227 * 1024
 MASKS = ("dense", "causal")
@@ -134,7 +135,7 @@ Measure = Callable[[MosaicGpuConfig, MosaicGpuConfig, str], dict]
 def tune(measure: Measure, head_dim: int, seq: int,
          log: Callable[[dict], None],
          min_gain: float) -> tuple[MosaicGpuConfig, list[dict]]:
-  """Greedy search from the default configuration, one group of fields at
+  """Greedy search from the tuned table (:func:`tuned_config`), one group of fields at
   a time (:func:`search_groups`).
 
   In each group the accepted candidate (:func:`accepted`) with the largest
@@ -144,7 +145,7 @@ def tune(measure: Measure, head_dim: int, seq: int,
   Returns:
     The final configuration (fully resolved) and every measured row.
   """
-  incumbent = default_config(head_dim, seq)
+  incumbent = tuned_config(head_dim, seq)
   rows = []
   for pass_name, group in search_groups(head_dim):
     winner, winner_speedup = incumbent, 1.0
@@ -325,7 +326,7 @@ def main() -> None:
   for head_dim in (int(h) for h in args.head_dims.split(",")):
     best_by_seq = {}
     for seq in seqs:
-      default = default_config(head_dim, seq)
+      default = tuned_config(head_dim, seq)
       print(f"head dim {head_dim}, S={seq}, masks {masks} "
             f"(default {default})", flush=True)
       tuner = Tuner(head_dim, seq, masks, timer)
@@ -367,7 +368,7 @@ def _print_table(table: dict[int, dict[int, MosaicGpuConfig]]) -> None:
     row, entries_by_head[head_dim] = length_table(by_seq)
     fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(
         row).items())
-    same = row == default_config(head_dim, max(by_seq))
+    same = row == tuned_config(head_dim, max(by_seq))
     print(f"    {head_dim}: MosaicGpuConfig({fields}),"
           + ("  # the default, kept" if same else ""))
   if several:

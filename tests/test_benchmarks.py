@@ -174,10 +174,10 @@ def test_ratio_to_cudnn():
 
 def test_tuner_candidates_include_the_defaults_and_fit():
   from benchmarks import tune_mosaic_gpu
-  from jflash.backends.mosaic_gpu import default_config
+  from jflash.backends.mosaic_gpu import tuned_config
   for head_dim in (64, 128, 256):
     candidates = tune_mosaic_gpu.forward_candidates(head_dim)
-    default = default_config(head_dim)
+    default = tuned_config(head_dim)
     assert any((c.block_q, c.block_kv, c.stages) ==
                (default.block_q, default.block_kv, default.stages)
                for c in candidates), head_dim
@@ -217,7 +217,7 @@ def test_tuner_acceptance_rule():
 
 def test_tuner_keeps_the_default_when_no_candidate_clears_the_margin():
   from benchmarks import tune_mosaic_gpu
-  from jflash.backends.mosaic_gpu import default_config
+  from jflash.backends.mosaic_gpu import tuned_config
   rng = fresh_rng()
   noise = {}
 
@@ -225,14 +225,14 @@ def test_tuner_keeps_the_default_when_no_candidate_clears_the_margin():
     return noise.setdefault((config, mask), 1 + 0.015 * rng.random())
   best, rows = tune_mosaic_gpu.tune(_fake_measure(speed), 128, 16384,
                                     lambda row: None, min_gain=0.02)
-  assert best == default_config(128, 16384)
+  assert best == tuned_config(128, 16384)
   assert rows and not any(row.get("accepted") for row in rows)
 
 
 def test_tuner_takes_clear_winners_and_builds_on_them():
   from benchmarks import tune_mosaic_gpu
-  from jflash.backends.mosaic_gpu import default_config
-  default = default_config(128, 16384)
+  from jflash.backends.mosaic_gpu import tuned_config
+  default = tuned_config(128, 16384)
 
   def speed(config, mask):
     s = 1.0
@@ -267,8 +267,8 @@ def test_tuner_length_table(monkeypatch):
   import math
   from benchmarks.tune_mosaic_gpu import length_table
   from jflash.backends.mosaic_gpu import config as config_module
-  from jflash.backends.mosaic_gpu import default_config
-  row = default_config(128)
+  from jflash.backends.mosaic_gpu import tuned_config
+  row = tuned_config(128)
   best = {16384: dataclasses.replace(row, stages=3),
           1024: dataclasses.replace(row, block_kv_dq=64, stages=3),
           4096: dataclasses.replace(row, stages=3)}
@@ -282,7 +282,7 @@ def test_tuner_length_table(monkeypatch):
   monkeypatch.setattr(config_module, "_BY_LENGTH",
                       {**config_module._BY_LENGTH, 128: entries})
   for seq, config in best.items():
-    assert default_config(128, seq) == config, seq
+    assert tuned_config(128, seq) == config, seq
   # Lengths that all agree with the row give no entries.
   assert length_table({1024: row, 16384: row}) == (row, ())
   assert length_table({4096: row}) == (row, ())
@@ -291,8 +291,8 @@ def test_tuner_length_table(monkeypatch):
 def test_tuner_combines_runs_into_a_table(tmp_path):
   """--combine prints the row and per-length entries from --out files of
   separate runs (one length per device call), without running anything."""
-  from jflash.backends.mosaic_gpu import default_config
-  row = default_config(128)
+  from jflash.backends.mosaic_gpu import tuned_config
+  row = tuned_config(128)
   short = dataclasses.replace(row, stages_dq=1)
   for name, seq, best in (("long", 16384, row), ("short", 1024, short)):
     (tmp_path / f"{name}.json").write_text(json.dumps(dict(results=[dict(
@@ -309,7 +309,7 @@ def test_tuner_combines_runs_into_a_table(tmp_path):
 
 def test_tuner_records_configurations_that_fail():
   from benchmarks import tune_mosaic_gpu
-  from jflash.backends.mosaic_gpu import default_config
+  from jflash.backends.mosaic_gpu import tuned_config
 
   def measure(candidate, incumbent, pass_name):
     if candidate.stages == 4:
@@ -317,7 +317,7 @@ def test_tuner_records_configurations_that_fail():
     return _fake_measure(lambda c, m: 1.0)(candidate, incumbent, pass_name)
   best, rows = tune_mosaic_gpu.tune(measure, 64, 4096, lambda row: None,
                                     min_gain=0.02)
-  assert best == default_config(64, 4096)
+  assert best == tuned_config(64, 4096)
   assert any("error" in row for row in rows)
 
 
@@ -325,11 +325,11 @@ def test_tuner_measures_candidate_against_incumbent(monkeypatch):
   """The device-side measure on the CPU, with the xla backend standing in
   for the kernels: a checked, interleaved timing per mask."""
   from benchmarks import tune_mosaic_gpu
-  from jflash.backends.mosaic_gpu import default_config
+  from jflash.backends.mosaic_gpu import tuned_config
   monkeypatch.setattr(tune_mosaic_gpu, "make_backend", lambda config: "xla")
   tuner = tune_mosaic_gpu.Tuner(64, 32, ("dense", "causal"), FAST,
                                 tokens=64, width=128)
-  incumbent = default_config(64, 32)
+  incumbent = tuned_config(64, 32)
   candidate = dataclasses.replace(incumbent, block_kv_dq=64)
   for pass_name in ("fwd", "fwdbwd"):
     row = tuner.measure(candidate, incumbent, pass_name)

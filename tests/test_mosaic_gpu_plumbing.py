@@ -230,6 +230,16 @@ def test_fused_backward_default_follows_keys_per_query():
     MosaicGpuConfig(dq_slots=2).resolved(128, 4096)
   with pytest.raises(ValueError, match="block_kv_dq"):
     MosaicGpuConfig(fuse_dq=True, block_kv_dq=64).resolved(128, 16384)
+  # Copies of a row at another length stay valid.
+  for copied in (mosaic_gpu.default_config(128),
+                 mosaic_gpu.tuned_config(128, 16384)):
+    assert not copied.resolved(128, 16384).fuse_dq
+  assert mosaic_gpu.default_config(128, 16384).resolved(128, 1024).fuse_dq
+  # The tuned table, which the tuner starts from, is the rule's input.
+  assert not mosaic_gpu.tuned_config(128, 16384).fuse_dq
+  assert dataclasses.replace(mosaic_gpu.tuned_config(128, 16384),
+                             fuse_dq=True, dq_slots=1) == (
+                                 mosaic_gpu.default_config(128, 16384))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -31,11 +31,12 @@ from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
                                                default_config,
-                                               padded_head_dim)
+                                               padded_head_dim, tuned_config)
 
 Array = jax.Array
 
-__all__ = ["MosaicGpuBackend", "MosaicGpuConfig", "default_config"]
+__all__ = ["MosaicGpuBackend", "MosaicGpuConfig", "default_config",
+           "tuned_config"]
 
 
 def _decline(reason: str):

@@ -124,10 +124,13 @@ class MosaicGpuConfig:
                        f"got head dim {head_dim}")
     # A value other than the default for a pass that does not run would be
     # dropped without effect: refuse it.  (Copies of a default row, e.g.
-    # ``dataclasses.replace(default_config(h), ...)``, carry every field.)
+    # ``dataclasses.replace(default_config(h), ...)``, carry every field,
+    # with the table's value or the one a rule gives at this length.)
+    table = tuned_config(head_dim, kv_len)
     unused = _FUSED_ONLY if not config.fuse_dq else _DQ_PASS_ONLY
     for name in unused:
-      if getattr(self, name) not in (None, getattr(base, name)):
+      if getattr(self, name) not in (None, getattr(base, name),
+                                     getattr(table, name)):
         raise ValueError(
             f"MosaicGpuConfig.{name}={getattr(self, name)!r} has no effect "
             f"with fuse_dq={config.fuse_dq}: "
@@ -207,18 +210,30 @@ def keys_per_query(kv_len: int, window: tuple[int, int] | None) -> int:
   return min(kv_len, window[0] + window[1] + 1)
 
 
+def tuned_config(head_dim: int, kv_len: int | None = None
+                 ) -> MosaicGpuConfig:
+  """The tuned table alone for a head dim (padded to 64, 128 or 256): its
+  row, the per-length entry covering ``kv_len`` when given
+  (``_BY_LENGTH``: the first entry whose ``max_kv_len`` covers ``kv_len``
+  replaces its fields), and the narrowing of key tiles to ``kv_len``
+  (see :func:`default_config`).  This is what
+  ``benchmarks/tune_mosaic_gpu.py`` starts from and prints; the measured
+  rules of :func:`default_config` come on top."""
+  padded = padded_head_dim(head_dim)
+  return _narrowed(_table(padded, kv_len), kv_len, {})
+
+
 def default_config(head_dim: int, kv_len: int | None = None, *,
                    soft_cap: bool = False,
                    segments: bool = False,
                    window: tuple[int, int] | None = None) -> MosaicGpuConfig:
-  """The tuned configuration for a head dim (padded to 64, 128 or 256),
-  adjusted to the number of keys ``kv_len`` when given and to the features
-  in use.
+  """The configuration a call gets by default for a head dim (padded to 64,
+  128 or 256), adjusted to the number of keys ``kv_len`` when given and to
+  the features in use.
 
   Rules, in order:
 
-  * the tuned entries for shorter sequences (``_BY_LENGTH``: the first
-    entry whose ``max_kv_len`` covers ``kv_len`` replaces its fields);
+  * the tuned table (:func:`tuned_config`);
   * the fused backward (``fuse_dq``) at head dim 128 when each query can
     see at least 8192 keys (``kv_len``, or the ``window``'s span when it
     is shorter), without a soft cap or segment ids, with one dQ
@@ -233,12 +248,8 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     pass's tile a divisor of the padded length.
   """
   padded = padded_head_dim(head_dim)
-  config = _DEFAULTS[padded]
+  config = _table(padded, kv_len)
   if kv_len is not None:
-    for max_kv_len, fields in _BY_LENGTH[padded]:
-      if kv_len <= max_kv_len:
-        config = dataclasses.replace(config, **fields)
-        break
     fused_from = _FUSED_MIN_KEYS_PER_QUERY[padded]
     if (fused_from is not None and not soft_cap and not segments
         and keys_per_query(kv_len, window) >= fused_from):
@@ -248,6 +259,24 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ[padded]
   if segments:
     widest["block_kv"] = _SEGMENTS_MAX_BLOCK_KV[padded]
+  return _narrowed(config, kv_len, widest)
+
+
+def _table(padded: int, kv_len: int | None) -> MosaicGpuConfig:
+  """The head dim's row with the per-length entry covering ``kv_len``."""
+  config = _DEFAULTS[padded]
+  if kv_len is not None:
+    for max_kv_len, fields in _BY_LENGTH[padded]:
+      if kv_len <= max_kv_len:
+        return dataclasses.replace(config, **fields)
+  return config
+
+
+def _narrowed(config: MosaicGpuConfig, kv_len: int | None,
+              widest: dict[str, int]) -> MosaicGpuConfig:
+  """``config`` with key tiles no wider than ``widest`` gives, nor than the
+  smallest of 64, 128, 256 covering ``kv_len``."""
+  widest = dict(widest)
   if kv_len is not None:
     cover = 64
     while cover < kv_len:
