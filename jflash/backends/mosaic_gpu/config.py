@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jflash import masks
+
 
 _SWITCHES = ("overlap_qk", "fuse_dq")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
@@ -203,13 +205,6 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 _FUSED_MIN_KEYS_PER_QUERY = {64: None, 128: 8192, 256: None}
 
 
-def keys_per_query(kv_len: int, window: tuple[int, int] | None) -> int:
-  """The most keys one query can see: ``kv_len``, or the window's span."""
-  if window is None:
-    return kv_len
-  return min(kv_len, window[0] + window[1] + 1)
-
-
 def tuned_config(head_dim: int, kv_len: int | None = None
                  ) -> MosaicGpuConfig:
   """The tuned table alone for a head dim (padded to 64, 128 or 256): its
@@ -252,7 +247,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   if kv_len is not None:
     fused_from = _FUSED_MIN_KEYS_PER_QUERY[padded]
     if (fused_from is not None and not soft_cap and not segments
-        and keys_per_query(kv_len, window) >= fused_from):
+        and masks.visible_keys_bound(kv_len, window) >= fused_from):
       config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
   widest = {}
   if soft_cap:
