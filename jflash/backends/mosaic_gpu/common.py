@@ -205,6 +205,15 @@ def scalar_or_none(ref, index) -> Array | None:
   return None if ref is None else ref[index]
 
 
+def num_sms() -> int:
+  """Streaming multiprocessors of the first GPU (132 on an H100 or H200
+  when no GPU is attached, e.g. lowering on a CPU for a CUDA target)."""
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:
+    return 132
+
+
 def cta_block(block_order_ref, blocks_per_row: int) -> tuple[Array, Array]:
   """``(batch row, block)`` of this CTA in a kernel launched over the grid
   ``(heads, blocks)``: entry ``axis_index("blocks")`` of a
@@ -226,19 +235,20 @@ def schedule_row(order_ref, count_ref, batch_index, block_index):
 
 
 def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
-                 seg_ref, seg_smem, seg_ready) -> None:
+                 seg_ref, seg_smem, seg_ready, first_step=0) -> None:
   """Producer loop: for step ``i`` copy tile ``tile_at(i)`` of every stream
   ``(gmem_ref [B, L, heads, H], smem_ring, ready, free, head)`` into slot
-  ``i % stages`` with TMA, after the consumers released that slot; segment
-  ids of the tile (``seg_ref [B, L]``, or None) travel with the first
-  stream."""
+  ``(first_step + i) % stages`` with TMA, after the consumers released that
+  slot; segment ids of the tile (``seg_ref [B, L]``, or None) travel with
+  the first stream.  ``first_step`` counts the ring's earlier uses (a
+  persistent kernel's earlier items)."""
 
   @pl.loop(0, count)
   def _load(i):
-    slot = lax.rem(i, stages)
+    slot = lax.rem(first_step + i, stages)
     rows = pl.ds(tile_at(i) * block, block)
     for n, (ref, smem, ready, free, head) in enumerate(streams):
-      @pl.when(i >= stages)
+      @pl.when(first_step + i >= stages)
       def _():
         plgpu.barrier_wait(free.at[slot])
       plgpu.copy_gmem_to_smem(ref.at[b, rows, head], smem.at[slot],
