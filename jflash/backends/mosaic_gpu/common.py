@@ -31,6 +31,10 @@ M_INIT = -1e30
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
+# Shared memory a CTA may take on Hopper (227 KiB), less 1 KiB for barriers
+# and alignment, for kernels that choose their buffers by size.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+
 # Row reductions of WGMMA-layout tiles stay inside a warp (a row lives in
 # four threads of one quad), so the kernels need no shared-memory scratch
 # for cross-warp reductions; its default 2 KiB is left to the tiles.

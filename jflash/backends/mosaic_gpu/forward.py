@@ -90,6 +90,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   num_items = num_heads * num_rows
   num_ctas = min(num_items, common.num_sms())
   passes = -(-num_items // num_ctas)
+  # With room for a separate output buffer, the next item's Q is loaded
+  # while this item's output is normalized and stored.
+  segments = spec.has_segments
+  prefetch_q = _forward_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      separate_output=True) <= common.SMEM_LIMIT_BYTES
 
   def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
              block_order_ref, *rest):
@@ -107,41 +113,61 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       odd, so that every CTA gets a like share of long and short items."""
       lane = jnp.where(lax.rem(n, 2) == 0, cta, num_ctas - 1 - cta)
       k = n * num_ctas + lane
-      flat = block_order_ref[lax.div(k, num_heads)]
+      # Past the last item (k >= num_items) the lookup stays in bounds and
+      # the caller skips the item.
+      flat = block_order_ref[lax.div(jnp.minimum(k, num_items - 1),
+                                     num_heads)]
       return k, (lax.rem(k, num_heads), lax.div(flat, num_q_blocks),
                  lax.rem(flat, num_q_blocks))
 
     def for_each_item(work):
-      """``work(head, b, q_block, first_step) -> next first step`` over
-      this CTA's items, threading the ring position through."""
+      """``work(head, b, q_block, first_step, next_item) -> next first
+      step`` over this CTA's items, threading the ring position through;
+      ``next_item`` is ``(exists, (head, b, q_block))`` of the CTA's next
+      item."""
       def one(n, first_step):
         k, where = item_at(n)
-        return lax.cond(k < num_items, lambda: work(*where, first_step),
-                        lambda: first_step)
+        k_next, where_next = item_at(n + 1)
+        return lax.cond(
+            k < num_items,
+            lambda: work(*where, first_step,
+                         (k_next < num_items, where_next)),
+            lambda: first_step)
       lax.fori_loop(0, passes, one, jnp.int32(0))
 
-    def body(qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kvseg_smem,
-             k_ready, v_ready, q_ready, kvseg_ready, k_free, v_free):
+    def body(q_smem2, o_smem2, k_smem, v_smem, lse_smem2, qseg_smem2,
+             kvseg_smem, k_ready, v_ready, q_ready, kvseg_ready, k_free,
+             v_free):
+      if o_smem2 is None:
+        o_smem2 = q_smem2  # the output leaves through Q's buffer
 
-      def consume_item(head, b, q_block, first_step):
+      def load_q(head, b, q_block):
+        """Starts the copies of this consumer's Q rows (and their segment
+        ids) of an item."""
+        q_base = (q_block * 2 + wg) * block_q
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
+                                q_smem2.at[wg], q_ready.at[wg])
+        if q_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
+                                  qseg_smem2.at[wg], q_ready.at[2 + wg])
+
+      def consume_item(head, b, q_block, first_step, next_item):
         """One consumer's work on an item whose first K/V tile sits at
         ring step ``first_step``; returns the next item's first step."""
         count, tile_at = common.schedule_row(order_ref, count_ref, b,
                                              q_block)
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
-        qo_smem = qo_smem2.at[wg]
-        # The previous item's output and logsumexp leave through these
-        # buffers: reuse them once the copies have read them.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        qo_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
         my_block = q_block * 2 + wg
         q_base = my_block * block_q
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
-                                qo_smem, q_ready.at[wg])
+        if not prefetch_q:
+          # The previous item's output and logsumexp leave through Q's
+          # buffer: reuse it once the copies have read it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_q(head, b, q_block)
         q_seg = None
         if q_seg_ref is not None:
-          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
-                                  qseg_smem2.at[wg], q_ready.at[2 + wg])
           plgpu.barrier_wait(q_ready.at[2 + wg])
           q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
                                  tile)
@@ -229,15 +255,23 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
 
+        if prefetch_q:
+          # Every Q K^T of this item has completed: the next item's Q may
+          # take the buffer while this one's output is written.
+          next_exists, next_where = next_item
+          pl.when(next_exists)(lambda: load_q(*next_where))
+          # The previous item's output and logsumexp copies must have read
+          # their buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         seen = l > 0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        qo_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+        o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
         lse_smem2.at[wg][...] = jnp.where(
             seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
             -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            qo_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
+            o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
         plgpu.copy_smem_to_gmem(
             lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         return first_step + count
@@ -246,6 +280,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       def _consumer():
         plgpu.set_max_registers(common.CONSUMER_REGISTERS,
                                 action="increase")
+        if prefetch_q:
+          first_k, first_where = item_at(0)
+          pl.when(first_k < num_items)(lambda: load_q(*first_where))
         for_each_item(consume_item)
         plgpu.wait_smem_to_gmem(0)
 
@@ -254,7 +291,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
 
-        def produce_item(head, b, q_block, first_step):
+        def produce_item(head, b, q_block, first_step, next_item):
+          del next_item
           count, tile_at = common.schedule_row(order_ref, count_ref, b,
                                                q_block)
           kv_head = lax.div(head, group)
@@ -266,10 +304,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return first_step + count
         for_each_item(produce_item)
 
-    segments = spec.has_segments
     pl.run_scoped(
         body,
         common.smem_tile((2, block_q, head_dim), dtype),
+        common.smem_tile((2, block_q, head_dim), dtype) if prefetch_q
+        else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
         plgpu.SMEM((2, block_q), jnp.float32),
@@ -299,6 +338,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   return out, lse
 
 
+
+
+def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
+                        head_dim: int, dtype, segments: bool, *,
+                        separate_output: bool) -> int:
+  """Shared memory the forward's buffers take (barriers excluded)."""
+  size = jnp.dtype(dtype).itemsize
+  tiles = (2 * block_q * head_dim * (2 if separate_output else 1)
+           + 2 * stages * block_kv * head_dim) * size
+  rows = 2 * block_q * 4 * (2 if segments else 1)  # logsumexp, q segments
+  return tiles + rows + (stages * block_kv * 4 if segments else 0)
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
