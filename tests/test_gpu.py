@@ -90,6 +90,16 @@ class TestMosaicGpuOverlappedForward(TestMosaicGpu):
     return MosaicGpuBackend(MosaicGpuConfig(overlap_qk=True))
 
 
+class TestMosaicGpuOverlappedBackward(TestMosaicGpu):
+  """The backward with ``MosaicGpuConfig(overlap_sdp=True)``: each step's
+  ``S`` and ``dP`` products issued together."""
+
+  @property
+  def implementation(self):
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(overlap_sdp=True))
+
+
 @pytest.mark.parametrize("feature", ["causal", "segments", "plain"])
 @pytest.mark.parametrize("dq_slots", [1, 2, 4])
 def test_mosaic_gpu_fused_backward_ordered_adds(feature, dq_slots):

@@ -402,9 +402,12 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
                                      dict(fuse_dq=True),
-                                     dict(fuse_dq=True, dq_slots=1)],
+                                     dict(fuse_dq=True, dq_slots=1),
+                                     dict(overlap_sdp=True),
+                                     dict(fuse_dq=True, overlap_sdp=True)],
                          ids=["default", "overlap_qk", "fuse_dq",
-                              "fuse_dq_one_slot"])
+                              "fuse_dq_one_slot", "overlap_sdp",
+                              "fuse_dq_overlap_sdp"])
 @pytest.mark.parametrize("head_dim,features", [
     (128, dict(is_causal=True, lengths=True)),
     (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),
@@ -446,9 +449,11 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
                       else ("jflash_dq", "jflash_dkv"))
   for name in ("jflash_forward",) + backward_kernels:
     assert f"{name}_mosaic_gpu" in text, name
-  # Only the overlapped forward waits for all but the newest product.
+  # Only the overlapped forward, and backward passes with overlap_sdp, wait
+  # for all but the newest product.
   jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
-  assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk"))
+  assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk")
+                                       or variant.get("overlap_sdp"))
 
 
 @pytest.mark.parametrize("rules", [dict(is_causal=True),

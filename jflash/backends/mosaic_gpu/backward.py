@@ -115,11 +115,15 @@ class QueryRing:
                               self.do_ready.at[slot])
 
   def probabilities(self, slot, *, k_smem, tile: tuple[int, int],
-                    logits: LogitTransform, full, mask):
+                    logits: LogitTransform, full, mask, v_smem=None):
     """The transposed probabilities ``P^T = exp2(K Q^T (scaled) - lse2)``
     of the step on slot ``slot`` (``mask(s, q_seg)`` applied unless
     ``full``) and the soft cap's derivative (or None).  Waits for Q, the
-    row statistics and the segment ids."""
+    row statistics and the segment ids.
+
+    With ``v_smem``, ``dP^T = V dO^T`` is issued right after ``K Q^T``
+    and returned third: ``P`` is formed while the tensor cores compute it
+    (dO is waited for first)."""
     plgpu.barrier_wait(self.q_ready.at[slot])
     plgpu.barrier_wait(self.stats_ready.at[slot])
     q_seg = None
@@ -129,6 +133,19 @@ class QueryRing:
           plgpu.load(self.segments.at[slot], layout=_COL), tile)
     lse2 = broadcast_cols(
         plgpu.load(self.stats.at[slot, 0], layout=_COL), tile)
+
+    if v_smem is not None:
+      plgpu.barrier_wait(self.do_ready.at[slot])
+
+      def products(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, k_smem, self.q.at[slot].transpose((1, 0)))
+        plgpu.wgmma(dp_ref, v_smem, self.do.at[slot].transpose((1, 0)))
+        p, derivative = _probabilities(
+            plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits, full,
+            lambda s: mask(s, q_seg), lse2)
+        return p, derivative, dp_ref[...]
+      return pl.run_scoped(products, plgpu.ACC(tile, jnp.float32),
+                           plgpu.ACC(tile, jnp.float32))
 
     def kq_product(acc_ref):
       plgpu.wgmma(acc_ref, k_smem, self.q.at[slot].transpose((1, 0)))
@@ -150,10 +167,17 @@ class QueryRing:
     return pl.run_scoped(product, plgpu.ACC(tile, jnp.float32))
 
   def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
-             logits: LogitTransform, full, mask, want_dp: bool):
+             logits: LogitTransform, full, mask, want_dp: bool,
+             together: bool = False):
     """A consumer's first half of a step on slot ``slot``:
-    :meth:`probabilities`, ``dP^T`` (None unless ``want_dp``) and ``delta``
-    broadcast over the tile.  Leaves dO waited for; frees nothing."""
+    :meth:`probabilities`, ``dP^T`` (None unless ``want_dp``; issued with
+    ``K Q^T`` when ``together``) and ``delta`` broadcast over the tile.
+    Leaves dO waited for; frees nothing."""
+    if want_dp and together:
+      p, derivative, dp = self.probabilities(
+          slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
+          mask=mask, v_smem=v_smem)
+      return p, derivative, dp, self.delta(slot, tile)
     p, derivative = self.probabilities(slot, k_smem=k_smem, tile=tile,
                                        logits=logits, full=full, mask=mask)
     delta = self.delta(slot, tile)
@@ -189,7 +213,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                    q_lengths: Array | None, kv_lengths: Array | None,
                    q_segments: Array | None, kv_segments: Array | None,
                    spec: MaskSpec, logits: LogitTransform, block_q: int,
-                   block_kv: int, stages: int) -> Array:
+                   block_kv: int, stages: int,
+                   overlap_sdp: bool = False) -> Array:
   """dQ on padded inputs (layouts as in
   :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
 
@@ -290,20 +315,40 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             kv_seg = broadcast_cols(
                 plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-
           def masked(s):
             return spec.mask_tile(s, row_start=q_base + zero,
                                   col_tile=tile_at(i),
                                   col_block=block_kv, rows_are_queries=True,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p, derivative = _probabilities(qk, logits, full, masked, lse2)
-          if not dp_first:
-            dp = dp_then_free_v()
+
+          def s_product(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+
+          if overlap_sdp and not dp_first:
+            # Both products issued at once; P is formed while dP is
+            # computed.  (With one K/V buffer dP already comes first.)
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def products(s_ref, dp_ref):
+              s_product(s_ref)
+              plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+              p, derivative = _probabilities(
+                  plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits,
+                  full, masked, lse2)
+              return p, derivative, dp_ref[...]
+            p, derivative, dp = pl.run_scoped(
+                products, plgpu.ACC(tile, jnp.float32),
+                plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+          else:
+            def qk_product(acc_ref):
+              s_product(acc_ref)
+              return acc_ref[...]
+            qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+            p, derivative = _probabilities(qk, logits, full, masked, lse2)
+            if not dp_first:
+              dp = dp_then_free_v()
           ds = _score_gradient(p, dp, delta, derivative)
 
           def dq_product(acc_ref):
@@ -372,7 +417,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     kv_segments: Array | None, spec: MaskSpec,
                     logits: LogitTransform, block_q: int, block_kv: int,
                     stages: int,
-                    split_outputs: bool = False) -> tuple[Array, Array]:
+                    split_outputs: bool = False,
+                    overlap_sdp: bool = False) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
   Args:
@@ -464,7 +510,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           if want_dv and want_dk:
             p, derivative, dp, delta = ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-                full=full, mask=mask, want_dp=True)
+                full=full, mask=mask, want_dp=True, together=overlap_sdp)
 
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs

@@ -73,7 +73,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
-                        slots: int = 1) -> tuple[Array, Array, Array]:
+                        slots: int = 1,
+                        overlap_sdp: bool = False
+                        ) -> tuple[Array, Array, Array]:
   """dQ (unscaled, float32), dK and dV on padded inputs.
 
   Args:
@@ -179,7 +181,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                                   q_seg=q_seg, kv_seg=kv_seg)
           p, derivative, dp, delta = ring.scores(
               slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-              full=full, mask=mask, want_dp=True)
+              full=full, mask=mask, want_dp=True, together=overlap_sdp)
           ds = _score_gradient(p, dp, delta, derivative)
 
           # The dS slot is free once the dQ product of step i - 2 read it.

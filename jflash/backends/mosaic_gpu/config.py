@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-_SWITCHES = ("overlap_qk", "fuse_dq")
+_SWITCHES = ("overlap_qk", "fuse_dq", "overlap_sdp")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
 _FUSED_ONLY = ("dq_slots",)
 _DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
@@ -45,6 +45,9 @@ class MosaicGpuConfig:
       contribution into a float32 accumulator in a fixed order
       (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
       products per tile instead of seven.  Head dims up to 128.
+    overlap_sdp: in every backward pass, issue a step's ``S`` and ``dP``
+      products together and form ``P`` while ``dP`` is computed, instead of
+      waiting for each in turn (more registers live at once).
     dq_slots: how many float32 dQ accumulators the fused backward adds
       into (at least 1).  Key block ``j`` adds into accumulator
       ``j % dq_slots``, in key-block order within each, and the
@@ -67,6 +70,7 @@ class MosaicGpuConfig:
   overlap_qk: bool | None = None
   fuse_dq: bool | None = None
   dq_slots: int | None = None
+  overlap_sdp: bool | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -149,15 +153,15 @@ _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
-                        fuse_dq=False, dq_slots=4),
+                        fuse_dq=False, dq_slots=4, overlap_sdp=False),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False, dq_slots=4),
+                         fuse_dq=False, dq_slots=4, overlap_sdp=False),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False, dq_slots=4),
+                         fuse_dq=False, dq_slots=4, overlap_sdp=False),
 }
 
 
