@@ -58,6 +58,17 @@ def test_fused_backward_rejects_head_dim_256():
   assert MosaicGpuConfig(fuse_dq=True).resolved(100).fuse_dq
 
 
+def test_overlap_sdp_rejects_configurations_it_cannot_change():
+  """overlap_sdp is refused where no pass would issue S and dP together:
+  head dim 256, and a one-buffer dQ pass of the two-pass backward."""
+  with pytest.raises(ValueError, match="overlap_sdp.*256"):
+    MosaicGpuConfig(overlap_sdp=True).resolved(256)
+  with pytest.raises(ValueError, match="overlap_sdp.*stages_dq=1"):
+    MosaicGpuConfig(overlap_sdp=True, stages_dq=1).resolved(128)
+  assert MosaicGpuConfig(overlap_sdp=True).resolved(128).overlap_sdp
+  assert MosaicGpuConfig(overlap_sdp=True, fuse_dq=True).resolved(64).fuse_dq
+
+
 @pytest.mark.parametrize("fields", [dict(dq_slots=2),
                                     dict(dq_slots=2, fuse_dq=False),
                                     dict(fuse_dq=True, block_q_dq=128),
@@ -418,8 +429,8 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
   """Forward and backward kernels, in each configuration variant, trace and
   lower for a CUDA target on the CPU (shape, layout and shared-memory
   errors surface here)."""
-  if variant.get("fuse_dq") and head_dim > 128:
-    pytest.skip("the fused backward serves head dims up to 128")
+  if (variant.get("fuse_dq") or variant.get("overlap_sdp")) and head_dim > 128:
+    pytest.skip("the variant serves head dims up to 128")
   rng = _rng()
   batch, t, s, n, k = 2, 200, 330, 4, 2
   q = jax.ShapeDtypeStruct((batch, t, n, head_dim), jnp.bfloat16)
