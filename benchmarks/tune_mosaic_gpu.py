@@ -95,8 +95,9 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
          if head_dim <= 128 or b == 64]
   stages = [dict(stages_dq=a, stages_dkv=b) for a, b in
             itertools.product((1, 2, 3), (1, 2, 3))]
-  groups = [dq, dkv, stages, [dict(overlap_sdp=True)]]
-  if head_dim <= 128:  # the one-pass backward's range
+  groups = [dq, dkv, stages]
+  if head_dim <= 128:  # overlap_sdp's and the one-pass backward's range
+    groups.append([dict(overlap_sdp=True)])
     # The fused backward replaces the dQ pass, whose fields it rejects.
     no_dq_pass = dict(block_q_dq=None, block_kv_dq=None, stages_dq=None)
     groups.append([dict(fuse_dq=False)] + [
