@@ -19,6 +19,7 @@ from jflash import masks
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
+from jflash.backends.mosaic_gpu import common
 from tests._support import random_segments
 
 
@@ -538,3 +539,30 @@ def test_row_statistics_sum_matches_a_float64_sum(width):
   scale = np.abs(np.asarray(x, np.float64)).sum(-1)
   assert np.all(np.abs(np.asarray(got, np.float64) - want)
                 <= 4 * width * np.finfo(np.float32).eps * scale + 1e-30)
+
+
+@pytest.mark.parametrize("num_heads,batch,blocks", [(16, 1, 8), (3, 2, 5),
+                                                    (1, 1, 1), (64, 4, 16)])
+def test_persistent_items_deal_every_item_once(num_heads, batch, blocks):
+  """Every (head, batch row, block) goes to exactly one CTA of a persistent
+  kernel, as the block order places it, and no CTA gets more than one
+  item above another."""
+  rng = _rng()
+  block_order = jnp.asarray(rng.permutation(batch * blocks), jnp.int32)
+  items = common.PersistentItems.over(num_heads, batch, blocks)
+  assert items.num_ctas == min(num_heads * batch * blocks, common.num_sms())
+  seen, per_cta = [], []
+  for cta in range(items.num_ctas):
+    mine = []
+    for n in range(items.passes):
+      k, (head, b, block) = items.item_at(block_order, jnp.int32(cta),
+                                          jnp.int32(n))
+      if int(k) < items.num_items:
+        flat = int(block_order[int(k) // num_heads])
+        assert (int(head), int(b), int(block)) == (
+            int(k) % num_heads, flat // blocks, flat % blocks)
+        mine.append(int(k))
+    seen += mine
+    per_cta.append(len(mine))
+  assert sorted(seen) == list(range(num_heads * batch * blocks))
+  assert max(per_cta) - min(per_cta) <= 1

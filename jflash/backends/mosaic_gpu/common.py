@@ -218,6 +218,64 @@ def num_sms() -> int:
     return 132
 
 
+@dataclasses.dataclass(frozen=True)
+class PersistentItems:
+  """The work of a persistent kernel: one CTA per SM (at most one per item),
+  each looping over its share of the items ``(head, batch row, block)``.
+
+  Items go longest first: row blocks in a :func:`jflash.masks.heaviest_first`
+  order (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
+  row block together.  Pass ``n`` deals ``num_ctas`` items to the CTAs,
+  forwards when ``n`` is even and backwards when odd, so that every CTA
+  gets a like share of long and short items.
+  """
+
+  num_heads: int
+  batch: int
+  blocks_per_row: int
+  num_ctas: int
+
+  @classmethod
+  def over(cls, num_heads: int, batch: int,
+           blocks_per_row: int) -> "PersistentItems":
+    items = num_heads * batch * blocks_per_row
+    return cls(num_heads, batch, blocks_per_row, min(items, num_sms()))
+
+  @property
+  def num_items(self) -> int:
+    return self.num_heads * self.batch * self.blocks_per_row
+
+  @property
+  def passes(self) -> int:
+    return -(-self.num_items // self.num_ctas)
+
+  def item_at(self, block_order_ref, cta, n):
+    """``(k, (head, batch row, block))`` of this CTA's item in pass ``n``;
+    ``k >= num_items`` past the last item (the lookup stays in bounds and
+    the caller skips it)."""
+    lane = jnp.where(lax.rem(n, 2) == 0, cta, self.num_ctas - 1 - cta)
+    k = n * self.num_ctas + lane
+    flat = block_order_ref[lax.div(jnp.minimum(k, self.num_items - 1),
+                                   self.num_heads)]
+    return k, (lax.rem(k, self.num_heads), lax.div(flat, self.blocks_per_row),
+               lax.rem(flat, self.blocks_per_row))
+
+  def for_each(self, block_order_ref, cta, work) -> None:
+    """``work(head, b, block, first_step, next_item) -> next first step``
+    over this CTA's items, threading a ring position through (it starts at
+    0); ``next_item`` is ``(exists, (head, b, block))`` of the CTA's next
+    item."""
+    def one(n, first_step):
+      k, where = self.item_at(block_order_ref, cta, n)
+      k_next, where_next = self.item_at(block_order_ref, cta, n + 1)
+      return lax.cond(
+          k < self.num_items,
+          lambda: work(*where, first_step,
+                       (k_next < self.num_items, where_next)),
+          lambda: first_step)
+    lax.fori_loop(0, self.passes, one, jnp.int32(0))
+
+
 def cta_block(block_order_ref, blocks_per_row: int) -> tuple[Array, Array]:
   """``(batch row, block)`` of this CTA in a kernel launched over the grid
   ``(heads, blocks)``: entry ``axis_index("blocks")`` of a

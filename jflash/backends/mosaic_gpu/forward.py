@@ -86,10 +86,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                   q_segments=q_segments, kv_segments=kv_segments)
   optional_names = [n for n, x in optional.items() if x is not None]
 
-  num_rows = batch * num_q_blocks
-  num_items = num_heads * num_rows
-  num_ctas = min(num_items, common.num_sms())
-  passes = -(-num_items // num_ctas)
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
   # With room for a separate output buffer, the next item's Q is loaded
   # while this item's output is normalized and stored.
   segments = spec.has_segments
@@ -106,34 +103,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
 
     def item_at(n):
-      """Item ``k`` of this CTA's pass ``n`` and its (head, batch row, row
-      block).  Items go longest first (row blocks in ``block_order``, the
-      heads of one row block together), and pass ``n`` deals ``num_ctas``
-      of them to the CTAs forwards when ``n`` is even and backwards when
-      odd, so that every CTA gets a like share of long and short items."""
-      lane = jnp.where(lax.rem(n, 2) == 0, cta, num_ctas - 1 - cta)
-      k = n * num_ctas + lane
-      # Past the last item (k >= num_items) the lookup stays in bounds and
-      # the caller skips the item.
-      flat = block_order_ref[lax.div(jnp.minimum(k, num_items - 1),
-                                     num_heads)]
-      return k, (lax.rem(k, num_heads), lax.div(flat, num_q_blocks),
-                 lax.rem(flat, num_q_blocks))
+      return items.item_at(block_order_ref, cta, n)
 
     def for_each_item(work):
-      """``work(head, b, q_block, first_step, next_item) -> next first
-      step`` over this CTA's items, threading the ring position through;
-      ``next_item`` is ``(exists, (head, b, q_block))`` of the CTA's next
-      item."""
-      def one(n, first_step):
-        k, where = item_at(n)
-        k_next, where_next = item_at(n + 1)
-        return lax.cond(
-            k < num_items,
-            lambda: work(*where, first_step,
-                         (k_next < num_items, where_next)),
-            lambda: first_step)
-      lax.fori_loop(0, passes, one, jnp.int32(0))
+      items.for_each(block_order_ref, cta, work)
 
     def body(q_smem2, o_smem2, k_smem, v_smem, lse_smem2, qseg_smem2,
              kvseg_smem, k_ready, v_ready, q_ready, kvseg_ready, k_free,
@@ -282,7 +255,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                 action="increase")
         if prefetch_q:
           first_k, first_where = item_at(0)
-          pl.when(first_k < num_items)(lambda: load_q(*first_where))
+          pl.when(first_k < items.num_items)(lambda: load_q(*first_where))
         for_each_item(consume_item)
         plgpu.wait_smem_to_gmem(0)
 
@@ -327,7 +300,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-      grid=(num_ctas,),
+      grid=(items.num_ctas,),
       grid_names=("ctas",),
       num_threads=3,
       thread_name="wg",
