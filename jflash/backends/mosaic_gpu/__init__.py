@@ -26,7 +26,8 @@ from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
-from jflash.backends.mosaic_gpu import backward, backward_fused, forward
+from jflash.backends.mosaic_gpu import (backward, backward_dq, backward_fused,
+                                       forward)
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
@@ -347,7 +348,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
 
   order, count, classes, block_order = _metadata(
       _rows_metadata, mask, c.block_q_dq, c.block_kv_dq, pads)
-  dq = backward.dq_kernel_call(
+  dq = backward_dq.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
       classes=classes, block_order=block_order, block_q=c.block_q_dq,
       block_kv=c.block_kv_dq, stages=c.stages_dq,
