@@ -229,20 +229,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       def _producer():
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
-
-        def produce_item(head, b, q_block, first_step, next_item):
-          del next_item
-          count, tile_at = common.schedule_row(order_ref, count_ref, b,
-                                               q_block)
-          kv_head = lax.div(head, group)
-          k_stream = (k_ref, k_smem, k_ready, k_free, kv_head)
-          v_stream = (v_ref, v_smem, v_ready, v_free, kv_head)
-          common.stream_tiles(count, tile_at, stages, block_kv,
-                              [v_stream, k_stream] if dp_first
-                              else [k_stream, v_stream],
-                              b, kv_seg_ref, kvseg_smem, kvseg_ready,
-                              first_step=first_step)
-          return first_step + count
+        produce_item = common.kv_item_producer(
+            order_ref, count_ref, group=group, stages=stages,
+            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
+            v=(v_ref, v_smem, v_ready, v_free),
+            segments=(kv_seg_ref, kvseg_smem, kvseg_ready), v_first=dp_first)
         items.for_each(block_order_ref, cta, produce_item)
 
     rows_tile = common.smem_tile((2, block_q, head_dim), dtype)

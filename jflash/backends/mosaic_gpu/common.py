@@ -318,3 +318,27 @@ def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
       if n == 0 and seg_ref is not None:
         plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], seg_smem.at[slot],
                                 seg_ready.at[slot])
+
+
+def kv_item_producer(order_ref, count_ref, *, group: int, stages: int,
+                     block_kv: int, k, v, segments, v_first: bool = False):
+  """The producer's ``work`` for :meth:`PersistentItems.for_each` in a
+  kernel over query blocks (forward, dQ): stream an item's K/V tiles
+  (its schedule row in ``order_ref``/``count_ref``) into the ring, from
+  ring step ``first_step`` on, and return the next item's first step.
+
+  ``k`` and ``v`` are ``(gmem_ref, smem_ring, ready, free)``; ``segments``
+  is ``(seg_ref or None, seg_smem, seg_ready)``, travelling with the first
+  stream; ``v_first`` streams V before K."""
+  def produce_item(head, b, q_block, first_step, next_item):
+    del next_item
+    count, tile_at = schedule_row(order_ref, count_ref, b, q_block)
+    kv_head = lax.div(head, group)
+    streams = [(*k, kv_head), (*v, kv_head)]
+    if v_first:
+      streams.reverse()
+    stream_tiles(count, tile_at, stages, block_kv, streams, b, *segments,
+                 first_step=first_step)
+    return first_step + count
+  return produce_item
+

@@ -263,18 +263,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       def _producer():
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
-
-        def produce_item(head, b, q_block, first_step, next_item):
-          del next_item
-          count, tile_at = common.schedule_row(order_ref, count_ref, b,
-                                               q_block)
-          kv_head = lax.div(head, group)
-          common.stream_tiles(count, tile_at, stages, block_kv,
-                              [(k_ref, k_smem, k_ready, k_free, kv_head),
-                               (v_ref, v_smem, v_ready, v_free, kv_head)],
-                              b, kv_seg_ref, kvseg_smem, kvseg_ready,
-                              first_step=first_step)
-          return first_step + count
+        produce_item = common.kv_item_producer(
+            order_ref, count_ref, group=group, stages=stages,
+            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
+            v=(v_ref, v_smem, v_ready, v_free),
+            segments=(kv_seg_ref, kvseg_smem, kvseg_ready))
         for_each_item(produce_item)
 
     pl.run_scoped(
