@@ -342,8 +342,11 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
 
         def step(i, carry):
-          dk, dv = carry
-          step_class = class_ref[b, kv_block, lax.rem(i, count), wg]
+          (dk, dv), step_class = carry
+          # The next step's class, read a step early: its load's latency
+          # would otherwise stall the step's start (the slot below depends
+          # on it).
+          next_class = class_ref[b, kv_block, lax.rem(i + 1, count), wg]
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(first_step + i, stages) + zero
@@ -404,12 +407,13 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
           plgpu.barrier_arrive(ring.do_free.at[slot])
           plgpu.barrier_arrive(ring.q_free.at[slot])
-          return dk, dv
+          return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
             jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, steps, step, (
-            zeros() if want_dk else None, zeros() if want_dv else None))
+        (dk, dv), _ = lax.fori_loop(0, steps, step, (
+            (zeros() if want_dk else None, zeros() if want_dv else None),
+            class_ref[b, kv_block, 0, wg]))
         if split_outputs:
           # Neither K nor V is read any more once both are done.
           both_consumers_meet()

@@ -129,8 +129,13 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         delta = broadcast_rows(
             plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
 
-        def step(i, dq):
-          step_class = class_ref[b, q_block, i, wg]
+        def step(i, carry):
+          dq, step_class = carry
+          # The next step's class, read a step early: its load's latency
+          # would otherwise stall the step's start (the slot below depends
+          # on it).
+          next_class = class_ref[b, q_block, jnp.minimum(i + 1, count - 1),
+                                 wg]
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(first_step + i, stages) + zero
@@ -195,11 +200,12 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
           dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
           plgpu.barrier_arrive(k_free.at[slot])
-          return dq
+          return dq, next_class
 
         dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                                plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, count, step, dq)
+        dq, _ = lax.fori_loop(0, count, step,
+                              (dq, class_ref[b, q_block, 0, wg]))
         if separate_output:
           # Q, dO and the statistics are no longer read: the next item's
           # take their buffers while this dQ is written.
