@@ -160,9 +160,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
         def step(i, carry):
-          acc, m, l = carry
+          acc, m, l, step_class = carry
+          # The next step's class, read a step early, so that its load's
+          # latency is not waited for before this step's last Q K^T issue.
+          next_class = class_ref[b, q_block, jnp.minimum(i + 1, count - 1),
+                                 wg]
           slot = lax.rem(first_step + i, stages)
-          full = class_ref[b, q_block, i, wg] == masks.FULL
+          full = step_class == masks.FULL
           # K of this step was waited for during the previous step's P V.
           kv_seg = kv_segments_at(slot)
 
@@ -198,7 +202,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                   k_ready.at[lax.rem(first_step + i + 1, stages)])
           acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l
+          return acc, m_new, l, next_class
 
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -225,7 +229,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               kv_segments_at=kv_segments_at,
               masked=lambda s, i, kv_seg: masked(s, tile_at(i), kv_seg))
         else:
-          acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+          acc, m, l, _ = lax.fori_loop(
+              0, count, step, (acc, m, l, class_ref[b, q_block, 0, wg]))
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
 
         if prefetch_q:
