@@ -96,7 +96,8 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
   stages = [dict(stages_dq=a, stages_dkv=b) for a, b in
             itertools.product((1, 2, 3), (1, 2, 3))]
   groups = [dq, dkv, stages]
-  if head_dim <= 128:  # the one-pass backward's range
+  if head_dim <= 128:  # overlap_sdp's and the one-pass backward's range
+    groups.append([dict(overlap_sdp=True)])
     # The fused backward replaces the dQ pass, whose fields it rejects.
     no_dq_pass = dict(block_q_dq=None, block_kv_dq=None, stages_dq=None)
     groups.append([dict(fuse_dq=False)] + [

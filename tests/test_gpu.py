@@ -90,6 +90,26 @@ class TestMosaicGpuOverlappedForward(TestMosaicGpu):
     return MosaicGpuBackend(MosaicGpuConfig(overlap_qk=True))
 
 
+class TestMosaicGpuOverlappedBackward(TestMosaicGpu):
+  """The backward with ``MosaicGpuConfig(overlap_sdp=True)``: each step's
+  ``S`` and ``dP`` products issued together.  It serves head dims up to
+  128 and rejects 256 by name."""
+
+  head_dims = (32, 64, 80, 128)
+
+  @property
+  def implementation(self):
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(overlap_sdp=True))
+
+  def check_case(self, case, dtype, seed):
+    if case.query.shape[-1] > 128:
+      with pytest.raises(ValueError, match="overlap_sdp"):
+        case.call_jflash(*case.arrays, **self.backend_kwargs)
+      return
+    super().check_case(case, dtype, seed)
+
+
 @pytest.mark.parametrize("feature", ["causal", "segments", "plain"])
 @pytest.mark.parametrize("dq_slots", [1, 2, 4])
 def test_mosaic_gpu_fused_backward_ordered_adds(feature, dq_slots):

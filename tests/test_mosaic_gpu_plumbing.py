@@ -19,6 +19,7 @@ from jflash import masks
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
+from jflash.backends.mosaic_gpu import common
 from tests._support import random_segments
 
 
@@ -56,6 +57,17 @@ def test_fused_backward_rejects_head_dim_256():
   with pytest.raises(ValueError, match="fuse_dq.*256"):
     MosaicGpuConfig(fuse_dq=True).resolved(256)
   assert MosaicGpuConfig(fuse_dq=True).resolved(100).fuse_dq
+
+
+def test_overlap_sdp_rejects_configurations_it_cannot_change():
+  """overlap_sdp is refused where no pass would issue S and dP together:
+  head dim 256, and a one-buffer dQ pass of the two-pass backward."""
+  with pytest.raises(ValueError, match="overlap_sdp.*256"):
+    MosaicGpuConfig(overlap_sdp=True).resolved(256)
+  with pytest.raises(ValueError, match="overlap_sdp.*stages_dq=1"):
+    MosaicGpuConfig(overlap_sdp=True, stages_dq=1).resolved(128)
+  assert MosaicGpuConfig(overlap_sdp=True).resolved(128).overlap_sdp
+  assert MosaicGpuConfig(overlap_sdp=True, fuse_dq=True).resolved(64).fuse_dq
 
 
 @pytest.mark.parametrize("fields", [dict(dq_slots=2),
@@ -402,9 +414,12 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
                                      dict(fuse_dq=True),
-                                     dict(fuse_dq=True, dq_slots=1)],
+                                     dict(fuse_dq=True, dq_slots=1),
+                                     dict(overlap_sdp=True),
+                                     dict(fuse_dq=True, overlap_sdp=True)],
                          ids=["default", "overlap_qk", "fuse_dq",
-                              "fuse_dq_one_slot"])
+                              "fuse_dq_one_slot", "overlap_sdp",
+                              "fuse_dq_overlap_sdp"])
 @pytest.mark.parametrize("head_dim,features", [
     (128, dict(is_causal=True, lengths=True)),
     (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),
@@ -415,8 +430,8 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
   """Forward and backward kernels, in each configuration variant, trace and
   lower for a CUDA target on the CPU (shape, layout and shared-memory
   errors surface here)."""
-  if variant.get("fuse_dq") and head_dim > 128:
-    pytest.skip("the fused backward serves head dims up to 128")
+  if (variant.get("fuse_dq") or variant.get("overlap_sdp")) and head_dim > 128:
+    pytest.skip("the variant serves head dims up to 128")
   rng = _rng()
   batch, t, s, n, k = 2, 200, 330, 4, 2
   q = jax.ShapeDtypeStruct((batch, t, n, head_dim), jnp.bfloat16)
@@ -446,9 +461,11 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
                       else ("jflash_dq", "jflash_dkv"))
   for name in ("jflash_forward",) + backward_kernels:
     assert f"{name}_mosaic_gpu" in text, name
-  # Only the overlapped forward waits for all but the newest product.
+  # Only the overlapped forward, and backward passes with overlap_sdp, wait
+  # for all but the newest product.
   jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
-  assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk"))
+  assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk")
+                                       or variant.get("overlap_sdp"))
 
 
 @pytest.mark.parametrize("rules", [dict(is_causal=True),
@@ -522,3 +539,30 @@ def test_row_statistics_sum_matches_a_float64_sum(width):
   scale = np.abs(np.asarray(x, np.float64)).sum(-1)
   assert np.all(np.abs(np.asarray(got, np.float64) - want)
                 <= 4 * width * np.finfo(np.float32).eps * scale + 1e-30)
+
+
+@pytest.mark.parametrize("num_heads,batch,blocks", [(16, 1, 8), (3, 2, 5),
+                                                    (1, 1, 1), (64, 4, 16)])
+def test_persistent_items_deal_every_item_once(num_heads, batch, blocks):
+  """Every (head, batch row, block) goes to exactly one CTA of a persistent
+  kernel, as the block order places it, and no CTA gets more than one
+  item above another."""
+  rng = _rng()
+  block_order = jnp.asarray(rng.permutation(batch * blocks), jnp.int32)
+  items = common.PersistentItems.over(num_heads, batch, blocks)
+  assert items.num_ctas == min(num_heads * batch * blocks, common.num_sms())
+  seen, per_cta = [], []
+  for cta in range(items.num_ctas):
+    mine = []
+    for n in range(items.passes):
+      k, (head, b, block) = items.item_at(block_order, jnp.int32(cta),
+                                          jnp.int32(n))
+      if int(k) < items.num_items:
+        flat = int(block_order[int(k) // num_heads])
+        assert (int(head), int(b), int(block)) == (
+            int(k) % num_heads, flat // blocks, flat % blocks)
+        mine.append(int(k))
+    seen += mine
+    per_cta.append(len(mine))
+  assert sorted(seen) == list(range(num_heads * batch * blocks))
+  assert max(per_cta) - min(per_cta) <= 1

@@ -51,7 +51,7 @@ def main() -> None:
 
   import jflash  # noqa: PLC0415
   from jflash.backends import mosaic_gpu  # noqa: PLC0415
-  from jflash.backends.mosaic_gpu import backward  # noqa: PLC0415
+  from jflash.backends.mosaic_gpu import backward, backward_dq  # noqa: PLC0415
 
   seen_stats = []
 
@@ -100,7 +100,7 @@ def main() -> None:
     print(f"{name}: lse2 {_digest(stats[:, :, 0])} delta "
           f"{_digest(stats[:, :, 1])} dq/dk/dv {' '.join(both)} (with the "
           f"statistics copied out: same={recorded == both})", flush=True)
-    with _replaced(backward, "dq_kernel_call", zeros_instead_of_dq):
+    with _replaced(backward_dq, "dq_kernel_call", zeros_instead_of_dq):
       dkv_alone = grads()
     with _replaced(backward, "dkv_kernel_call", zeros_instead_of_dkv):
       dq_alone = grads()

@@ -4,7 +4,8 @@
 # are two), then a timing against jax.nn's cuDNN in the same run.  About
 # four minutes on an H200.  Logs go to ${OUT:-out}/.
 #
-# VARIANTS=1 tests the opt-in kernel variants (overlap_qk, fuse_dq) instead
+# VARIANTS=1 tests the opt-in kernel variants (overlap_qk, overlap_sdp,
+# fuse_dq) instead
 # of the default configuration (about five minutes).
 # Usage (from the repository root): [VARIANTS=1] bash tools/mosaic_gpu_check.sh
 set -uo pipefail

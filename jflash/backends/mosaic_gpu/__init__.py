@@ -26,7 +26,8 @@ from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
-from jflash.backends.mosaic_gpu import backward, backward_fused, forward
+from jflash.backends.mosaic_gpu import (backward, backward_dq, backward_fused,
+                                       forward)
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
@@ -333,7 +334,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
         qp, kp, vp, dop, stats, q_order=order, q_count=count,
         classes=classes, ranks=ranks, block_q=c.block_q_dkv,
         block_kv=c.block_kv_dkv, stages=c.stages_dkv, slots=slots,
-        **common_args)
+        overlap_sdp=c.overlap_sdp, **common_args)
     dq_sums = dq_sums.reshape((slots, -1) + dq_sums.shape[1:])
     # Summed in accumulator order; query tiles that an accumulator does not
     # receive were never written.
@@ -347,10 +348,11 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
 
   order, count, classes, block_order = _metadata(
       _rows_metadata, mask, c.block_q_dq, c.block_kv_dq, pads)
-  dq = backward.dq_kernel_call(
+  dq = backward_dq.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
       classes=classes, block_order=block_order, block_q=c.block_q_dq,
-      block_kv=c.block_kv_dq, stages=c.stages_dq, **common_args)
+      block_kv=c.block_kv_dq, stages=c.stages_dq,
+      overlap_sdp=c.overlap_sdp, **common_args)
   # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
   # the two consumers then share their keys, one output each.
   split_outputs = pads.head_pad > 128
@@ -361,7 +363,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
       block_order=block_order,
       block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,
-      split_outputs=split_outputs, **common_args)
+      split_outputs=split_outputs, overlap_sdp=c.overlap_sdp, **common_args)
   return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 
 

@@ -6,13 +6,18 @@ and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
 ``dS = P * (dO V^T - delta)`` (times the soft cap's derivative), where
 ``delta = rowsum(dO * O) - dlse`` folds in the logsumexp's own cotangent.
 
-* dQ: one CTA per (head, ``2 * block_q`` query rows, batch row); two consumer
+* dQ (:mod:`~jflash.backends.mosaic_gpu.backward_dq`): two consumer
   warpgroups keep ``dQ`` for their rows in registers while a producer streams
-  the row block's nonempty K/V tiles, exactly as the forward does.
-* dK/dV: one CTA per (key/value head, ``2 * block_kv`` keys, batch row); two
+  the row block's nonempty K/V tiles, as the forward does.
+* dK/dV: a persistent kernel, one CTA per SM looping over items (key/value
+  head, ``2 * block_kv`` keys, batch row) dealt as
+  :class:`~jflash.backends.mosaic_gpu.common.PersistentItems` says; two
   consumer warpgroups keep ``dK`` and ``dV`` of their keys in registers while
   the producer streams Q, dO and the row statistics of every query head of
-  the GQA group over the key block's nonempty query tiles.  Summing the group
+  the GQA group over the key block's nonempty query tiles.  The query ring
+  runs on from one item into the next, and where shared memory allows
+  separate output buffers the next item's keys load while this item's
+  outputs are written.  Summing the group
   inside one CTA, in a fixed order, makes the result deterministic without
   materializing repeated K/V.  At head dim 256 the two accumulators do not
   fit in one warpgroup's registers; both warpgroups then take the same keys,
@@ -87,17 +92,20 @@ class QueryRing:
   do_free: Any
 
   def stream(self, steps, head_and_tile, *, stages: int, block_q: int, b,
-             q_ref, do_ref, stats_ref, q_seg_ref) -> None:
+             q_ref, do_ref, stats_ref, q_seg_ref, first_step=0) -> None:
     """Producer loop: step ``i`` copies query tile ``head_and_tile(i)`` into
-    slot ``i % stages`` once the consumers freed it."""
+    slot ``(first_step + i) % stages`` once the consumers freed it
+    (``first_step`` counts the ring's earlier uses, by a persistent
+    kernel's earlier items)."""
 
     @pl.loop(0, steps)
     def _load(i):
-      slot = lax.rem(i, stages)
+      used = first_step + i
+      slot = lax.rem(used, stages)
       head, q_tile = head_and_tile(i)
       rows = pl.ds(q_tile * block_q, block_q)
 
-      @pl.when(i >= stages)
+      @pl.when(used >= stages)
       def _():
         plgpu.barrier_wait(self.q_free.at[slot])
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], self.q.at[slot],
@@ -108,18 +116,22 @@ class QueryRing:
         plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], self.segments.at[slot],
                                 self.segments_ready.at[slot])
 
-      @pl.when(i >= stages)
+      @pl.when(used >= stages)
       def _():
         plgpu.barrier_wait(self.do_free.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], self.do.at[slot],
                               self.do_ready.at[slot])
 
   def probabilities(self, slot, *, k_smem, tile: tuple[int, int],
-                    logits: LogitTransform, full, mask):
+                    logits: LogitTransform, full, mask, v_smem=None):
     """The transposed probabilities ``P^T = exp2(K Q^T (scaled) - lse2)``
     of the step on slot ``slot`` (``mask(s, q_seg)`` applied unless
     ``full``) and the soft cap's derivative (or None).  Waits for Q, the
-    row statistics and the segment ids."""
+    row statistics and the segment ids.
+
+    With ``v_smem``, ``dP^T = V dO^T`` is issued right after ``K Q^T``
+    and returned third: ``P`` is formed while the tensor cores compute it
+    (dO is waited for first)."""
     plgpu.barrier_wait(self.q_ready.at[slot])
     plgpu.barrier_wait(self.stats_ready.at[slot])
     q_seg = None
@@ -129,6 +141,19 @@ class QueryRing:
           plgpu.load(self.segments.at[slot], layout=_COL), tile)
     lse2 = broadcast_cols(
         plgpu.load(self.stats.at[slot, 0], layout=_COL), tile)
+
+    if v_smem is not None:
+      plgpu.barrier_wait(self.do_ready.at[slot])
+
+      def products(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, k_smem, self.q.at[slot].transpose((1, 0)))
+        plgpu.wgmma(dp_ref, v_smem, self.do.at[slot].transpose((1, 0)))
+        p, derivative = _probabilities(
+            plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits, full,
+            lambda s: mask(s, q_seg), lse2)
+        return p, derivative, dp_ref[...]
+      return pl.run_scoped(products, plgpu.ACC(tile, jnp.float32),
+                           plgpu.ACC(tile, jnp.float32))
 
     def kq_product(acc_ref):
       plgpu.wgmma(acc_ref, k_smem, self.q.at[slot].transpose((1, 0)))
@@ -150,10 +175,17 @@ class QueryRing:
     return pl.run_scoped(product, plgpu.ACC(tile, jnp.float32))
 
   def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
-             logits: LogitTransform, full, mask, want_dp: bool):
+             logits: LogitTransform, full, mask, want_dp: bool,
+             together: bool = False):
     """A consumer's first half of a step on slot ``slot``:
-    :meth:`probabilities`, ``dP^T`` (None unless ``want_dp``) and ``delta``
-    broadcast over the tile.  Leaves dO waited for; frees nothing."""
+    :meth:`probabilities`, ``dP^T`` (None unless ``want_dp``; issued with
+    ``K Q^T`` when ``together``) and ``delta`` broadcast over the tile.
+    Leaves dO waited for; frees nothing."""
+    if want_dp and together:
+      p, derivative, dp = self.probabilities(
+          slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
+          mask=mask, v_smem=v_smem)
+      return p, derivative, dp, self.delta(slot, tile)
     p, derivative = self.probabilities(slot, k_smem=k_smem, tile=tile,
                                        logits=logits, full=full, mask=mask)
     delta = self.delta(slot, tile)
@@ -183,188 +215,6 @@ def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
   ]
 
 
-def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
-                   kv_order: Array, kv_count: Array, classes: Array,
-                   block_order: Array,
-                   q_lengths: Array | None, kv_lengths: Array | None,
-                   q_segments: Array | None, kv_segments: Array | None,
-                   spec: MaskSpec, logits: LogitTransform, block_q: int,
-                   block_kv: int, stages: int) -> Array:
-  """dQ on padded inputs (layouts as in
-  :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
-
-  Args:
-    stats: float32 ``[B, N, 2, Tp]``: the base-2 logsumexp (``+inf`` for
-      rows that see nothing) and ``delta``.
-    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
-      block.
-    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
-      the tile visited at each step for each consumer's ``block_q`` rows.
-    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks (:func:`jflash.masks.heaviest_first`).
-
-  Returns:
-    ``dq [B, Tp, N, Hp]`` in the input dtype.
-  """
-  batch, q_pad, num_heads, head_dim = q.shape
-  group = num_heads // k.shape[2]
-  dtype = q.dtype
-  tile = (block_q, block_kv)
-  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            q_segments=q_segments, kv_segments=kv_segments)
-
-  num_q_blocks = q_pad // (2 * block_q)
-  # With one K/V buffer (head dim 256), V is loaded and used first: its next
-  # tile then streams in while this step still works on K (S, dS, dQ), and
-  # the next K while the next step forms dP, instead of both arriving only
-  # after the step has released K.
-  dp_first = stages == 1
-
-  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-             class_ref, block_order_ref, *rest):
-    named = dict(zip(names, rest[:len(names)]))
-    (dq_ref,) = rest[len(names):]
-    b, q_block = common.cta_block(block_order_ref, num_q_blocks)
-    head = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
-    count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
-    q_length = common.scalar_or_none(named.get("q_lengths"), b)
-    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
-    q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
-
-    def body(q_smem2, do_smem2, stats_smem2, qseg_smem2, k_smem, v_smem,
-             kvseg_smem, q_ready, k_ready, v_ready, kvseg_ready, k_free,
-             v_free):
-
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
-        my_block = q_block * 2 + wg
-        q_base = my_block * block_q
-        rows = pl.ds(q_base, block_q)
-        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem,
-                                q_ready.at[4 * wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem,
-                                q_ready.at[4 * wg + 1])
-        plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
-                                stats_smem2.at[wg], q_ready.at[4 * wg + 2])
-        q_seg = None
-        if q_seg_ref is not None:
-          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem2.at[wg],
-                                  q_ready.at[4 * wg + 3])
-          plgpu.barrier_wait(q_ready.at[4 * wg + 3])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
-                                 tile)
-        for j in range(3):
-          plgpu.barrier_wait(q_ready.at[4 * wg + j])
-        lse2 = broadcast_rows(
-            plgpu.load(stats_smem2.at[wg, 0], layout=_ROW), tile)
-        delta = broadcast_rows(
-            plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
-
-        def step(i, dq):
-          step_class = class_ref[b, q_block, i, wg]
-          full = step_class == masks.FULL
-          zero = common.loop_variant_zero(step_class)
-          slot = lax.rem(i, stages) + zero
-          q_smem, do_smem = q_smem2.at[wg + zero], do_smem2.at[wg + zero]
-
-          def dp_product(acc_ref):
-            plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-
-          def dp_then_free_v():
-            plgpu.barrier_wait(v_ready.at[slot])
-            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return dp
-
-          if dp_first:
-            dp = dp_then_free_v()
-          plgpu.barrier_wait(k_ready.at[slot])
-          kv_seg = None
-          if kv_seg_ref is not None:
-            plgpu.barrier_wait(kvseg_ready.at[slot])
-            kv_seg = broadcast_cols(
-                plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
-
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-
-          def masked(s):
-            return spec.mask_tile(s, row_start=q_base + zero,
-                                  col_tile=tile_at(i),
-                                  col_block=block_kv, rows_are_queries=True,
-                                  q_length=q_length, kv_length=kv_length,
-                                  q_seg=q_seg, kv_seg=kv_seg)
-          p, derivative = _probabilities(qk, logits, full, masked, lse2)
-          if not dp_first:
-            dp = dp_then_free_v()
-          ds = _score_gradient(p, dp, delta, derivative)
-
-          def dq_product(acc_ref):
-            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
-          dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
-          plgpu.barrier_arrive(k_free.at[slot])
-          return dq
-
-        dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
-                               plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, count, step, dq)
-        q_smem[...] = (dq * logits.scale).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, head])
-        # Only the copies' reads of shared memory must finish before the
-        # CTA leaves; their writes land by the end of the kernel.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
-                                action="decrease")
-        kv_head = lax.div(head, group)
-        k_stream = (k_ref, k_smem, k_ready, k_free, kv_head)
-        v_stream = (v_ref, v_smem, v_ready, v_free, kv_head)
-        common.stream_tiles(count, tile_at, stages, block_kv,
-                            [v_stream, k_stream] if dp_first
-                            else [k_stream, v_stream],
-                            b, kv_seg_ref, kvseg_smem, kvseg_ready)
-
-    segments = spec.has_segments
-    pl.run_scoped(
-        body,
-        common.smem_tile((2, block_q, head_dim), dtype),
-        common.smem_tile((2, block_q, head_dim), dtype),
-        plgpu.SMEM((2, 2, block_q), jnp.float32),
-        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
-        plgpu.Barrier(num_barriers=8),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages) if segments else None,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
-    )
-
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(num_heads, batch * num_q_blocks),
-      grid_names=("heads", "blocks"),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="jflash_dq",
-      compiler_params=common.COMPILER_PARAMS,
-  )(q, k, v, do, stats, kv_order, kv_count, classes, block_order, *extras)
-
-
 def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     q_order: Array, q_count: Array, classes: Array,
                     block_order: Array, q_lengths: Array | None,
@@ -372,7 +222,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     kv_segments: Array | None, spec: MaskSpec,
                     logits: LogitTransform, block_q: int, block_kv: int,
                     stages: int,
-                    split_outputs: bool = False) -> tuple[Array, Array]:
+                    split_outputs: bool = False,
+                    overlap_sdp: bool = False) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
   Args:
@@ -404,39 +255,84 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                             q_segments=q_segments, kv_segments=kv_segments)
 
   num_kv_blocks = kv_pad // keys_per_cta
+  items = common.PersistentItems.over(num_kv_heads, batch, num_kv_blocks)
+  segments = spec.has_segments
+  # With room for separate output buffers, the next item's keys are loaded
+  # as soon as this item's loop ends, while its dK and dV are written.
+  separate_outputs = _dkv_smem_bytes(
+      key_buffers, block_q, block_kv, stages, head_dim, dtype, segments,
+      split_outputs, separate_outputs=True) <= common.SMEM_LIMIT_BYTES
 
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
              class_ref, block_order_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
     dk_ref, dv_ref = rest[len(names):]
-    b, kv_block = common.cta_block(block_order_ref, num_kv_blocks)
-    kv_head = lax.axis_index("heads")
+    cta = lax.axis_index("ctas")
     wg = lax.axis_index("wg")
-    count, tile_at = common.schedule_row(order_ref, count_ref, b, kv_block)
-    steps = count * group
-    q_length = common.scalar_or_none(named.get("q_lengths"), b)
-    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
 
-    def head_and_tile(i):
-      # Step i visits query head kv_head * group + i // count, tile i % count.
-      return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
+    def item_schedule(kv_head, b, kv_block):
+      """Steps of an item and step -> (query head, query tile): step ``i``
+      visits query head ``kv_head * group + i // count``, tile
+      ``i % count``."""
+      count, tile_at = common.schedule_row(order_ref, count_ref, b, kv_block)
 
-    def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
+      def head_and_tile(i):
+        return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
+      return count, count * group, head_and_tile
+
+    def body(k_smem2, v_smem2, dk_smem2, dv_smem2, kvseg_smem2, kv_ready,
+             *rest):
       ring = QueryRing(*rest[:QUERY_RING_REFS])
       consumers_done, p_smem, p_ready, p_free = rest[QUERY_RING_REFS:]
+      if dk_smem2 is None:  # the outputs leave through the K/V buffers
+        dk_smem2, dv_smem2 = k_smem2, v_smem2
 
-      def consume(want_dk: bool, want_dv: bool, buffer):
-        """One consumer's loop over the steps, accumulating the wanted
-        outputs for keys ``buffer`` of the CTA, then their write-back.
+      def load_keys(kv_head, b, kv_block, buffer):
+        """Starts the copies of keys ``buffer`` of an item (K, V and their
+        segment ids)."""
+        rows = pl.ds(kv_block * keys_per_cta + buffer * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head],
+                                k_smem2.at[buffer], kv_ready.at[3 * buffer])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head],
+                                v_smem2.at[buffer],
+                                kv_ready.at[3 * buffer + 1])
+        if kv_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows],
+                                  kvseg_smem2.at[buffer],
+                                  kv_ready.at[3 * buffer + 2])
+
+      def both_consumers_meet():
+        plgpu.barrier_arrive(consumers_done)
+        plgpu.barrier_wait(consumers_done)
+
+      def consume(want_dk: bool, want_dv: bool, buffer, kv_head, b, kv_block,
+                  first_step, next_item):
+        """One consumer's loop over an item's steps (the first on ring step
+        ``first_step``), accumulating the wanted outputs for keys
+        ``buffer`` of the item, then their write-back.  Returns the next
+        item's first ring step.
 
         With one output each (``split_outputs``), the dV warpgroup forms
         ``P^T`` (times the soft cap's derivative) and hands it to the dK
         warpgroup through ``p_smem``, so that each step's four products
         are split two and two rather than the dK warpgroup forming
         ``P^T`` again."""
+        count, steps, head_and_tile = item_schedule(kv_head, b, kv_block)
+        q_length = common.scalar_or_none(named.get("q_lengths"), b)
+        kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
         kv_base = kv_block * keys_per_cta + buffer * block_kv
         rows = pl.ds(kv_base, block_kv)
+        loads_keys = want_dv  # the dV warpgroup, or each one unsplit
+        if not separate_outputs:
+          # The previous item's outputs left through the K/V buffers: reuse
+          # them once the copies have read them (both consumers' copies,
+          # when they share the buffers).
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if split_outputs:
+            both_consumers_meet()
+          if loads_keys:
+            load_keys(kv_head, b, kv_block, buffer)
         kv_seg = None
         if kv_seg_ref is not None and want_dv:
           plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
@@ -446,11 +342,14 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
 
         def step(i, carry):
-          dk, dv = carry
-          step_class = class_ref[b, kv_block, lax.rem(i, count), wg]
+          (dk, dv), step_class = carry
+          # The next step's class, read a step early: its load's latency
+          # would otherwise stall the step's start (the slot below depends
+          # on it).
+          next_class = class_ref[b, kv_block, lax.rem(i + 1, count), wg]
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
-          slot = lax.rem(i, stages) + zero
+          slot = lax.rem(first_step + i, stages) + zero
           k_smem = k_smem2.at[buffer + zero]
           v_smem = v_smem2.at[buffer + zero]
 
@@ -464,7 +363,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           if want_dv and want_dk:
             p, derivative, dp, delta = ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-                full=full, mask=mask, want_dp=True)
+                full=full, mask=mask, want_dp=True, together=overlap_sdp)
 
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs
@@ -479,7 +378,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
                 mask=mask)
 
-            @pl.when(i >= 1)
+            # p_smem is free once the dK warpgroup read the previous step's
+            # P^T (of this item or an earlier one).
+            @pl.when(first_step + i >= 1)
             def _():
               plgpu.barrier_wait(p_free)
             p_smem[...] = p if derivative is None else p * derivative
@@ -506,69 +407,77 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
           plgpu.barrier_arrive(ring.do_free.at[slot])
           plgpu.barrier_arrive(ring.q_free.at[slot])
-          return dk, dv
+          return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
             jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, steps, step, (
-            zeros() if want_dk else None, zeros() if want_dv else None))
+        (dk, dv), _ = lax.fori_loop(0, steps, step, (
+            (zeros() if want_dk else None, zeros() if want_dv else None),
+            class_ref[b, kv_block, 0, wg]))
         if split_outputs:
-          # The other warpgroup may still read K or V: the results go into
-          # those buffers only after both are done.
-          plgpu.barrier_arrive(consumers_done)
-          plgpu.barrier_wait(consumers_done)
+          # Neither K nor V is read any more once both are done.
+          both_consumers_meet()
+        if separate_outputs:
+          if loads_keys:
+            next_exists, next_where = next_item
+            pl.when(next_exists)(lambda: load_keys(*next_where, buffer))
+          # The previous item's output copies must have read their buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         written = []
-        k_smem, v_smem = k_smem2.at[buffer], v_smem2.at[buffer]
         if want_dk:
-          k_smem[...] = (dk * logits.scale).astype(dtype)
-          written.append((k_smem, dk_ref))
+          dk_smem2.at[buffer][...] = (dk * logits.scale).astype(dtype)
+          written.append((dk_smem2.at[buffer], dk_ref))
         if want_dv:
-          v_smem[...] = dv.astype(dtype)
-          written.append((v_smem, dv_ref))
+          dv_smem2.at[buffer][...] = dv.astype(dtype)
+          written.append((dv_smem2.at[buffer], dv_ref))
         plgpu.commit_smem()
         for smem, out_ref in written:
           plgpu.copy_smem_to_gmem(smem, out_ref.at[b, rows, kv_head])
-        # Only the copies' reads of shared memory must finish before the
-        # CTA leaves; their writes land by the end of the kernel.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return first_step + steps
 
       @pl.when(wg < 2)
       def _consumer():
         plgpu.set_max_registers(common.CONSUMER_REGISTERS,
                                 action="increase")
-
-        def load_keys(buffer):
-          rows = pl.ds(kv_block * keys_per_cta + buffer * block_kv, block_kv)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head],
-                                  k_smem2.at[buffer], kv_ready.at[3 * buffer])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head],
-                                  v_smem2.at[buffer],
-                                  kv_ready.at[3 * buffer + 1])
-          if kv_seg_ref is not None:
-            plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows],
-                                    kvseg_smem2.at[buffer],
-                                    kv_ready.at[3 * buffer + 2])
+        def run(want_dk: bool, want_dv: bool, buffer):
+          if separate_outputs and want_dv:
+            first_k, first_where = items.item_at(block_order_ref, cta, 0)
+            pl.when(first_k < items.num_items)(
+                lambda: load_keys(*first_where, buffer))
+          items.for_each(
+              block_order_ref, cta,
+              lambda *item: consume(want_dk, want_dv, buffer, *item))
 
         if split_outputs:  # one set of keys, loaded once, read by both
-          pl.when(wg == 0)(lambda: load_keys(0))
-          pl.when(wg == 0)(lambda: consume(False, True, 0))
-          pl.when(wg == 1)(lambda: consume(True, False, 0))
+          pl.when(wg == 0)(lambda: run(False, True, 0))
+          pl.when(wg == 1)(lambda: run(True, False, 0))
         else:
-          load_keys(wg)
-          consume(True, True, wg)
+          run(True, True, wg)
+        # The output copies' reads of shared memory must finish before the
+        # CTA leaves; their writes land by the end of the kernel.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
-        ring.stream(steps, head_and_tile, stages=stages, block_q=block_q, b=b,
-                    q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
-                    q_seg_ref=q_seg_ref)
 
-    segments = spec.has_segments
+        def produce(kv_head, b, kv_block, first_step, next_item):
+          del next_item
+          _, steps, head_and_tile = item_schedule(kv_head, b, kv_block)
+          ring.stream(steps, head_and_tile, stages=stages, block_q=block_q,
+                      b=b, q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
+                      q_seg_ref=q_seg_ref, first_step=first_step)
+          return first_step + steps
+        items.for_each(block_order_ref, cta, produce)
+
+    out_tile = common.smem_tile((key_buffers, block_kv, head_dim), dtype)
     pl.run_scoped(
         body,
         common.smem_tile((key_buffers, block_kv, head_dim), dtype),
         common.smem_tile((key_buffers, block_kv, head_dim), dtype),
+        out_tile if separate_outputs else None,
+        out_tile if separate_outputs else None,
         plgpu.SMEM((key_buffers, block_kv), jnp.int32) if segments else None,
         plgpu.Barrier(num_barriers=6),
         *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
@@ -587,11 +496,25 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   dk, dv = plgpu.kernel(
       kernel,
       out_type=(kv_type, kv_type),
-      grid=(num_kv_heads, batch * num_kv_blocks),
-      grid_names=("heads", "blocks"),
+      grid=(items.num_ctas,),
+      grid_names=("ctas",),
       num_threads=3,
       thread_name="wg",
       kernel_name="jflash_dkv",
       compiler_params=common.COMPILER_PARAMS,
   )(q, k, v, do, stats, q_order, q_count, classes, block_order, *extras)
   return dk, dv
+
+
+def _dkv_smem_bytes(key_buffers: int, block_q: int, block_kv: int,
+                    stages: int, head_dim: int, dtype, segments: bool,
+                    split_outputs: bool, *, separate_outputs: bool) -> int:
+  """Shared memory the dK/dV kernel's buffers take (barriers excluded)."""
+  size = jnp.dtype(dtype).itemsize
+  keys = key_buffers * block_kv * head_dim * size * (
+      4 if separate_outputs else 2)
+  ring = stages * (2 * block_q * head_dim * size + 2 * block_q * 4
+                   + (block_q * 4 if segments else 0))
+  key_segments = key_buffers * block_kv * 4 if segments else 0
+  handover = block_kv * block_q * 4 if split_outputs else 0
+  return keys + ring + key_segments + handover

@@ -73,7 +73,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
-                        slots: int = 1) -> tuple[Array, Array, Array]:
+                        slots: int = 1,
+                        overlap_sdp: bool = False
+                        ) -> tuple[Array, Array, Array]:
   """dQ (unscaled, float32), dK and dV on padded inputs.
 
   Args:
@@ -162,8 +164,11 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         plgpu.barrier_wait(kv_ready.at[3 * (1 - wg)])
 
         def step(i, carry):
-          dk, dv = carry
-          step_class = class_ref[b, kv_block, lax.rem(i, count), wg]
+          (dk, dv), step_class = carry
+          # The next step's class, read a step early: its load's latency
+          # would otherwise stall the step's start (the slot below depends
+          # on it).
+          next_class = class_ref[b, kv_block, lax.rem(i + 1, count), wg]
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(i, stages) + zero
@@ -179,7 +184,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                                   q_seg=q_seg, kv_seg=kv_seg)
           p, derivative, dp, delta = ring.scores(
               slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-              full=full, mask=mask, want_dp=True)
+              full=full, mask=mask, want_dp=True, together=overlap_sdp)
           ds = _score_gradient(p, dp, delta, derivative)
 
           # The dS slot is free once the dQ product of step i - 2 read it.
@@ -221,11 +226,12 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             dq_smem[...] = contribution
             plgpu.commit_smem()
             plgpu.barrier_arrive(dq_ready)
-          return dk, dv
+          return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
             jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, steps, step, (zeros(), zeros()))
+        (dk, dv), _ = lax.fori_loop(0, steps, step, (
+            (zeros(), zeros()), class_ref[b, kv_block, 0, wg]))
 
         # The last dQ products read both K tiles: wait for them before K's
         # buffer takes dK.

@@ -31,6 +31,10 @@ M_INIT = -1e30
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
+# Shared memory a CTA may take on Hopper (227 KiB), less 1 KiB for barriers
+# and alignment, for kernels that choose their buffers by size.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+
 # Row reductions of WGMMA-layout tiles stay inside a warp (a row lives in
 # four threads of one quad), so the kernels need no shared-memory scratch
 # for cross-warp reductions; its default 2 KiB is left to the tiles.
@@ -205,6 +209,73 @@ def scalar_or_none(ref, index) -> Array | None:
   return None if ref is None else ref[index]
 
 
+def num_sms() -> int:
+  """Streaming multiprocessors of the first GPU (132 on an H100 or H200
+  when no GPU is attached, e.g. lowering on a CPU for a CUDA target)."""
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:
+    return 132
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentItems:
+  """The work of a persistent kernel: one CTA per SM (at most one per item),
+  each looping over its share of the items ``(head, batch row, block)``.
+
+  Items go longest first: row blocks in a :func:`jflash.masks.heaviest_first`
+  order (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
+  row block together.  Pass ``n`` deals ``num_ctas`` items to the CTAs,
+  forwards when ``n`` is even and backwards when odd, so that every CTA
+  gets a like share of long and short items.
+  """
+
+  num_heads: int
+  batch: int
+  blocks_per_row: int
+  num_ctas: int
+
+  @classmethod
+  def over(cls, num_heads: int, batch: int,
+           blocks_per_row: int) -> "PersistentItems":
+    items = num_heads * batch * blocks_per_row
+    return cls(num_heads, batch, blocks_per_row, min(items, num_sms()))
+
+  @property
+  def num_items(self) -> int:
+    return self.num_heads * self.batch * self.blocks_per_row
+
+  @property
+  def passes(self) -> int:
+    return -(-self.num_items // self.num_ctas)
+
+  def item_at(self, block_order_ref, cta, n):
+    """``(k, (head, batch row, block))`` of this CTA's item in pass ``n``;
+    ``k >= num_items`` past the last item (the lookup stays in bounds and
+    the caller skips it)."""
+    lane = jnp.where(lax.rem(n, 2) == 0, cta, self.num_ctas - 1 - cta)
+    k = n * self.num_ctas + lane
+    flat = block_order_ref[lax.div(jnp.minimum(k, self.num_items - 1),
+                                   self.num_heads)]
+    return k, (lax.rem(k, self.num_heads), lax.div(flat, self.blocks_per_row),
+               lax.rem(flat, self.blocks_per_row))
+
+  def for_each(self, block_order_ref, cta, work) -> None:
+    """``work(head, b, block, first_step, next_item) -> next first step``
+    over this CTA's items, threading a ring position through (it starts at
+    0); ``next_item`` is ``(exists, (head, b, block))`` of the CTA's next
+    item."""
+    def one(n, first_step):
+      k, where = self.item_at(block_order_ref, cta, n)
+      k_next, where_next = self.item_at(block_order_ref, cta, n + 1)
+      return lax.cond(
+          k < self.num_items,
+          lambda: work(*where, first_step,
+                       (k_next < self.num_items, where_next)),
+          lambda: first_step)
+    lax.fori_loop(0, self.passes, one, jnp.int32(0))
+
+
 def cta_block(block_order_ref, blocks_per_row: int) -> tuple[Array, Array]:
   """``(batch row, block)`` of this CTA in a kernel launched over the grid
   ``(heads, blocks)``: entry ``axis_index("blocks")`` of a
@@ -226,19 +297,20 @@ def schedule_row(order_ref, count_ref, batch_index, block_index):
 
 
 def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
-                 seg_ref, seg_smem, seg_ready) -> None:
+                 seg_ref, seg_smem, seg_ready, first_step=0) -> None:
   """Producer loop: for step ``i`` copy tile ``tile_at(i)`` of every stream
   ``(gmem_ref [B, L, heads, H], smem_ring, ready, free, head)`` into slot
-  ``i % stages`` with TMA, after the consumers released that slot; segment
-  ids of the tile (``seg_ref [B, L]``, or None) travel with the first
-  stream."""
+  ``(first_step + i) % stages`` with TMA, after the consumers released that
+  slot; segment ids of the tile (``seg_ref [B, L]``, or None) travel with
+  the first stream.  ``first_step`` counts the ring's earlier uses (a
+  persistent kernel's earlier items)."""
 
   @pl.loop(0, count)
   def _load(i):
-    slot = lax.rem(i, stages)
+    slot = lax.rem(first_step + i, stages)
     rows = pl.ds(tile_at(i) * block, block)
     for n, (ref, smem, ready, free, head) in enumerate(streams):
-      @pl.when(i >= stages)
+      @pl.when(first_step + i >= stages)
       def _():
         plgpu.barrier_wait(free.at[slot])
       plgpu.copy_gmem_to_smem(ref.at[b, rows, head], smem.at[slot],
@@ -246,3 +318,27 @@ def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
       if n == 0 and seg_ref is not None:
         plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], seg_smem.at[slot],
                                 seg_ready.at[slot])
+
+
+def kv_item_producer(order_ref, count_ref, *, group: int, stages: int,
+                     block_kv: int, k, v, segments, v_first: bool = False):
+  """The producer's ``work`` for :meth:`PersistentItems.for_each` in a
+  kernel over query blocks (forward, dQ): stream an item's K/V tiles
+  (its schedule row in ``order_ref``/``count_ref``) into the ring, from
+  ring step ``first_step`` on, and return the next item's first step.
+
+  ``k`` and ``v`` are ``(gmem_ref, smem_ring, ready, free)``; ``segments``
+  is ``(seg_ref or None, seg_smem, seg_ready)``, travelling with the first
+  stream; ``v_first`` streams V before K."""
+  def produce_item(head, b, q_block, first_step, next_item):
+    del next_item
+    count, tile_at = schedule_row(order_ref, count_ref, b, q_block)
+    kv_head = lax.div(head, group)
+    streams = [(*k, kv_head), (*v, kv_head)]
+    if v_first:
+      streams.reverse()
+    stream_tiles(count, tile_at, stages, block_kv, streams, b, *segments,
+                 first_step=first_step)
+    return first_step + count
+  return produce_item
+

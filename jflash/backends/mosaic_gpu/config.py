@@ -7,7 +7,7 @@ import dataclasses
 from jflash import masks
 
 
-_SWITCHES = ("overlap_qk", "fuse_dq")
+_SWITCHES = ("overlap_qk", "fuse_dq", "overlap_sdp")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
 _FUSED_ONLY = ("dq_slots",)
 _DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
@@ -47,6 +47,11 @@ class MosaicGpuConfig:
       contribution into a float32 accumulator in a fixed order
       (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
       products per tile instead of seven.  Head dims up to 128.
+    overlap_sdp: in every backward pass, issue a step's ``S`` and ``dP``
+      products together and form ``P`` while ``dP`` is computed, instead of
+      waiting for each in turn (more registers live at once).  Head dims
+      up to 128 (at 256 each dK/dV warpgroup forms only one of them), and
+      not with ``stages_dq=1``, whose dQ pass computes ``dP`` first.
     dq_slots: how many float32 dQ accumulators the fused backward adds
       into (at least 1).  Key block ``j`` adds into accumulator
       ``j % dq_slots``, in key-block order within each, and the
@@ -69,6 +74,7 @@ class MosaicGpuConfig:
   overlap_qk: bool | None = None
   fuse_dq: bool | None = None
   dq_slots: int | None = None
+  overlap_sdp: bool | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -106,7 +112,8 @@ class MosaicGpuConfig:
     separate dQ pass selects the two-pass backward.
 
     Raises:
-      ValueError: ``fuse_dq`` at a head dim above 128, or a field set to a
+      ValueError: ``fuse_dq`` or ``overlap_sdp`` at a head dim above 128,
+        ``overlap_sdp`` with ``stages_dq=1``, or a field set to a
         value other than its default for a pass the configuration does not
         run (``dq_slots`` without the fused backward; the dQ pass fields
         with it).
@@ -121,6 +128,13 @@ class MosaicGpuConfig:
     config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
         if getattr(self, f.name) is not None})
+    if config.overlap_sdp and padded_head_dim(head_dim) > 128:
+      raise ValueError(f"MosaicGpuConfig.overlap_sdp serves head dims up to "
+                       f"128, got head dim {head_dim}")
+    if config.overlap_sdp and not config.fuse_dq and config.stages_dq == 1:
+      raise ValueError("MosaicGpuConfig.overlap_sdp needs stages_dq of at "
+                       "least 2, got stages_dq=1 (a one-buffer dQ pass "
+                       "computes dP before S)")
     if config.fuse_dq and padded_head_dim(head_dim) > 128:
       raise ValueError(f"MosaicGpuConfig.fuse_dq serves head dims up to 128, "
                        f"got head dim {head_dim}")
@@ -151,15 +165,15 @@ _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
-                        fuse_dq=False, dq_slots=4),
+                        fuse_dq=False, dq_slots=4, overlap_sdp=False),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False, dq_slots=4),
+                         fuse_dq=False, dq_slots=4, overlap_sdp=False),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False, dq_slots=4),
+                         fuse_dq=False, dq_slots=4, overlap_sdp=False),
 }
 
 

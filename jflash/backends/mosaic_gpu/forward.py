@@ -1,7 +1,10 @@
 """Hopper forward kernel: FlashAttention-3 structure in Pallas Mosaic GPU.
 
-One CTA per (head, ``2 * block_q`` query rows, batch row), the row blocks
-that visit the most tiles launched first, with three warpgroups:
+A persistent kernel: one CTA per SM, each taking a share of the items
+(head, ``2 * block_q`` query rows of a batch row), longest first and dealt
+so that every CTA gets a like share of the work.  The K/V ring runs on from
+one item into the next, so the producer fills it for the next item while
+the consumers finish the last.  Three warpgroups:
 
 * two consumer warpgroups, each owning ``block_q`` query rows: ``Q K^T`` on
   the tensor cores (``wgmma``), online softmax in float32 registers (base-2
@@ -83,34 +86,61 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                   q_segments=q_segments, kv_segments=kv_segments)
   optional_names = [n for n, x in optional.items() if x is not None]
 
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
+  # With room for a separate output buffer, the next item's Q is loaded
+  # while this item's output is normalized and stored.
+  segments = spec.has_segments
+  prefetch_q = _forward_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      separate_output=True) <= common.SMEM_LIMIT_BYTES
+
   def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
              block_order_ref, *rest):
     named = dict(zip(optional_names, rest[:len(optional_names)]))
     out_ref, lse_ref = rest[len(optional_names):]
-    b, q_block = common.cta_block(block_order_ref, num_q_blocks)
-    head = lax.axis_index("heads")
+    cta = lax.axis_index("ctas")
     wg = lax.axis_index("wg")
-    count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
-    q_length = common.scalar_or_none(named.get("q_lengths"), b)
-    kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
 
-    def body(qo_smem2, k_smem, v_smem, lse_smem2, qseg_smem2, kvseg_smem,
-             k_ready, v_ready, q_ready, kvseg_ready, k_free, v_free):
+    def item_at(n):
+      return items.item_at(block_order_ref, cta, n)
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
-        qo_smem = qo_smem2.at[wg]
-        my_block = q_block * 2 + wg
-        q_base = my_block * block_q
+    def for_each_item(work):
+      items.for_each(block_order_ref, cta, work)
+
+    def body(q_smem2, o_smem2, k_smem, v_smem, lse_smem2, qseg_smem2,
+             kvseg_smem, k_ready, v_ready, q_ready, kvseg_ready, k_free,
+             v_free):
+      if o_smem2 is None:
+        o_smem2 = q_smem2  # the output leaves through Q's buffer
+
+      def load_q(head, b, q_block):
+        """Starts the copies of this consumer's Q rows (and their segment
+        ids) of an item."""
+        q_base = (q_block * 2 + wg) * block_q
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
-                                qo_smem, q_ready.at[wg])
-        q_seg = None
+                                q_smem2.at[wg], q_ready.at[wg])
         if q_seg_ref is not None:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
                                   qseg_smem2.at[wg], q_ready.at[2 + wg])
+
+      def consume_item(head, b, q_block, first_step, next_item):
+        """One consumer's work on an item whose first K/V tile sits at
+        ring step ``first_step``; returns the next item's first step."""
+        count, tile_at = common.schedule_row(order_ref, count_ref, b,
+                                             q_block)
+        q_length = common.scalar_or_none(named.get("q_lengths"), b)
+        kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+        qo_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+        my_block = q_block * 2 + wg
+        q_base = my_block * block_q
+        if not prefetch_q:
+          # The previous item's output and logsumexp leave through Q's
+          # buffer: reuse it once the copies have read it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_q(head, b, q_block)
+        q_seg = None
+        if q_seg_ref is not None:
           plgpu.barrier_wait(q_ready.at[2 + wg])
           q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
                                  tile)
@@ -130,9 +160,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
         def step(i, carry):
-          acc, m, l = carry
-          slot = lax.rem(i, stages)
-          full = class_ref[b, q_block, i, wg] == masks.FULL
+          acc, m, l, step_class = carry
+          # The next step's class, read a step early, so that its load's
+          # latency is not waited for before this step's last Q K^T issue.
+          next_class = class_ref[b, q_block, jnp.minimum(i + 1, count - 1),
+                                 wg]
+          slot = lax.rem(first_step + i, stages)
+          full = step_class == masks.FULL
           # K of this step was waited for during the previous step's P V.
           kv_seg = kv_segments_at(slot)
 
@@ -164,10 +198,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             # Wait for the next K while the tensor cores work.
             @pl.when(i + 1 < count)
             def _():
-              plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, stages)])
+              plgpu.barrier_wait(
+                  k_ready.at[lax.rem(first_step + i + 1, stages)])
           acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l
+          return acc, m_new, l, next_class
 
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -176,15 +211,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
         @pl.when(count > 0)
         def _():
-          plgpu.barrier_wait(k_ready.at[0])
+          plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
         # The consumers alternate on the tensor cores: each passes the turn
         # after issuing Q K^T and waits for it before P V.  The second
         # starts by waiting and the first ends by passing, so that every
-        # wait has its pass.
+        # wait has its pass (on every item).
         pl.when(wg == 1)(lambda: common.wait_turn(wg))
         if overlap_qk:
           acc, m, l = _overlapped_steps(
-              acc, m, l, count=count, stages=stages, tile=tile, dtype=dtype,
+              acc, m, l, count=count, first_step=first_step, stages=stages,
+              tile=tile, dtype=dtype,
               logits=logits, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
               k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
               wait_turn=lambda: common.wait_turn(wg),
@@ -193,38 +229,57 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               kv_segments_at=kv_segments_at,
               masked=lambda s, i, kv_seg: masked(s, tile_at(i), kv_seg))
         else:
-          acc, m, l = lax.fori_loop(0, count, step, (acc, m, l))
+          acc, m, l, _ = lax.fori_loop(
+              0, count, step, (acc, m, l, class_ref[b, q_block, 0, wg]))
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
 
+        if prefetch_q:
+          # Every Q K^T of this item has completed: the next item's Q may
+          # take the buffer while this one's output is written.
+          next_exists, next_where = next_item
+          pl.when(next_exists)(lambda: load_q(*next_where))
+          # The previous item's output and logsumexp copies must have read
+          # their buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         seen = l > 0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        qo_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+        o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
         lse_smem2.at[wg][...] = jnp.where(
             seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
             -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            qo_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
+            o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
         plgpu.copy_smem_to_gmem(
             lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
-        # Only the copies' reads of shared memory must finish before the
-        # CTA leaves; their writes land by the end of the kernel.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return first_step + count
+
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
+        if prefetch_q:
+          first_k, first_where = item_at(0)
+          pl.when(first_k < items.num_items)(lambda: load_q(*first_where))
+        for_each_item(consume_item)
+        plgpu.wait_smem_to_gmem(0)
 
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(common.PRODUCER_REGISTERS,
                                 action="decrease")
-        kv_head = lax.div(head, group)
-        common.stream_tiles(count, tile_at, stages, block_kv,
-                            [(k_ref, k_smem, k_ready, k_free, kv_head),
-                             (v_ref, v_smem, v_ready, v_free, kv_head)],
-                            b, kv_seg_ref, kvseg_smem, kvseg_ready)
+        produce_item = common.kv_item_producer(
+            order_ref, count_ref, group=group, stages=stages,
+            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
+            v=(v_ref, v_smem, v_ready, v_free),
+            segments=(kv_seg_ref, kvseg_smem, kvseg_ready))
+        for_each_item(produce_item)
 
-    segments = spec.has_segments
     pl.run_scoped(
         body,
         common.smem_tile((2, block_q, head_dim), dtype),
+        common.smem_tile((2, block_q, head_dim), dtype) if prefetch_q
+        else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
         plgpu.SMEM((2, block_q), jnp.float32),
@@ -243,8 +298,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-      grid=(num_heads, batch * num_q_blocks),
-      grid_names=("heads", "blocks"),
+      grid=(items.num_ctas,),
+      grid_names=("ctas",),
       num_threads=3,
       thread_name="wg",
       kernel_name="jflash_forward",
@@ -254,6 +309,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   return out, lse
 
 
+
+
+def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
+                        head_dim: int, dtype, segments: bool, *,
+                        separate_output: bool) -> int:
+  """Shared memory the forward's buffers take (barriers excluded)."""
+  size = jnp.dtype(dtype).itemsize
+  tiles = (2 * block_q * head_dim * (2 if separate_output else 1)
+           + 2 * stages * block_kv * head_dim) * size
+  rows = 2 * block_q * 4 * (2 if segments else 1)  # logsumexp, q segments
+  return tiles + rows + (stages * block_kv * 4 if segments else 0)
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
@@ -274,7 +340,8 @@ def _exponentials(qk: Array, m: Array, *, full, masked,
   return p, m_new, jnp.exp2(m - m_new)
 
 
-def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
+def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
+                      logits,
                       qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
                       v_free, wait_turn, pass_turn, is_full, kv_segments_at,
                       masked):
@@ -291,6 +358,9 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
   caller's final pass of the first consumer balances the second's waits).
   Returns ``(acc, m, l)`` as the plain loop does.
   """
+  def slot_of(i):
+    return lax.rem(first_step + i, stages)
+
   def update(qk, m, l, i, kv_seg):
     """float32 probabilities, new maximum, rescale factor, new row sums."""
     p, m_new, rescale = _exponentials(
@@ -301,25 +371,25 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
   def wait_next_k(i):
     @pl.when(i + 1 < count)
     def _():
-      plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, stages)])
+      plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
 
   def first(carry):
     acc, m, l, p = carry
-    kv_seg = kv_segments_at(0)
+    kv_seg = kv_segments_at(slot_of(0))
 
     def qk_product(s_ref):
-      plgpu.wgmma(s_ref, qo_smem, k_smem.at[0].transpose((1, 0)))
+      plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
       pass_turn()
       return s_ref[...]
     qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-    plgpu.barrier_arrive(k_free.at[0])
+    plgpu.barrier_arrive(k_free.at[slot_of(0)])
     p, m, _, l = update(qk, m, l, 0, kv_seg)  # O is still zero
     wait_next_k(0)
     return acc, m, l, p.astype(dtype)
 
   def step(j, carry):
     acc, m, l, p_prev = carry
-    slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+    slot, prev = slot_of(j), slot_of(j - 1)
     kv_seg = kv_segments_at(slot)
     plgpu.barrier_wait(v_ready.at[prev])
 
@@ -350,7 +420,7 @@ def _overlapped_steps(acc, m, l, *, count, stages, tile, dtype, logits,
 
   def last(carry):
     acc, m, l, p = carry
-    slot = lax.rem(count - 1, stages)
+    slot = slot_of(count - 1)
     plgpu.barrier_wait(v_ready.at[slot])
 
     def pv_product(o_ref):

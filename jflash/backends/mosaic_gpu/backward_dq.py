@@ -1,0 +1,285 @@
+"""Hopper dQ kernel: the backward pass over query rows, with no atomics.
+
+A persistent kernel like the forward: one CTA per SM loops over items
+(head, ``2 * block_q`` query rows of a batch row) dealt as
+:class:`~jflash.backends.mosaic_gpu.common.PersistentItems` says.  Two
+consumer warpgroups keep ``dQ`` of their rows in registers while a producer
+streams the row block's nonempty K/V tiles through a ring that runs on from
+one item into the next; each step recomputes ``P`` from the saved
+logsumexp, forms ``dS = P * (dO V^T - delta)`` and adds ``dS K`` (see
+:mod:`~jflash.backends.mosaic_gpu.backward`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jflash import masks
+from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu.backward import (_COL, _ROW, _optional,
+                                                 _probabilities,
+                                                 _score_gradient)
+from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
+                                               broadcast_cols, broadcast_rows)
+
+Array = jax.Array
+
+
+def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
+                   kv_order: Array, kv_count: Array, classes: Array,
+                   block_order: Array,
+                   q_lengths: Array | None, kv_lengths: Array | None,
+                   q_segments: Array | None, kv_segments: Array | None,
+                   spec: MaskSpec, logits: LogitTransform, block_q: int,
+                   block_kv: int, stages: int,
+                   overlap_sdp: bool = False) -> Array:
+  """dQ on padded inputs (layouts as in
+  :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
+
+  Args:
+    stats: float32 ``[B, N, 2, Tp]``: the base-2 logsumexp (``+inf`` for
+      rows that see nothing) and ``delta``.
+    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
+      block.
+    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
+      the tile visited at each step for each consumer's ``block_q`` rows.
+    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
+      take query blocks (:func:`jflash.masks.heaviest_first`).
+
+  Returns:
+    ``dq [B, Tp, N, Hp]`` in the input dtype.
+  """
+  batch, q_pad, num_heads, head_dim = q.shape
+  group = num_heads // k.shape[2]
+  dtype = q.dtype
+  tile = (block_q, block_kv)
+  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            q_segments=q_segments, kv_segments=kv_segments)
+
+  num_q_blocks = q_pad // (2 * block_q)
+  # With one K/V buffer (head dim 256), V is loaded and used first: its next
+  # tile then streams in while this step still works on K (S, dS, dQ), and
+  # the next K while the next step forms dP, instead of both arriving only
+  # after the step has released K.
+  dp_first = stages == 1
+
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
+  segments = spec.has_segments
+  # With room for a separate output buffer, the next item's Q, dO and row
+  # statistics load as soon as this item's loop ends, while its dQ is
+  # written.
+  separate_output = _dq_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      separate_output=True) <= common.SMEM_LIMIT_BYTES
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+             class_ref, block_order_ref, *rest):
+    named = dict(zip(names, rest[:len(names)]))
+    (dq_ref,) = rest[len(names):]
+    cta = lax.axis_index("ctas")
+    wg = lax.axis_index("wg")
+    q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
+
+    def body(q_smem2, do_smem2, out_smem2, stats_smem2, qseg_smem2, k_smem,
+             v_smem, kvseg_smem, q_ready, k_ready, v_ready, kvseg_ready,
+             k_free, v_free):
+      if out_smem2 is None:  # dQ leaves through Q's buffer
+        out_smem2 = q_smem2
+
+      def load_rows(head, b, q_block):
+        """Starts the copies of this consumer's rows of an item: Q, dO, the
+        row statistics and the segment ids."""
+        rows = pl.ds((q_block * 2 + wg) * block_q, block_q)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem2.at[wg],
+                                q_ready.at[4 * wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem2.at[wg],
+                                q_ready.at[4 * wg + 1])
+        plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
+                                stats_smem2.at[wg], q_ready.at[4 * wg + 2])
+        if q_seg_ref is not None:
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem2.at[wg],
+                                  q_ready.at[4 * wg + 3])
+
+      def consume_item(head, b, q_block, first_step, next_item):
+        """One consumer's dQ rows of an item whose first K/V tile sits at
+        ring step ``first_step``; returns the next item's first step."""
+        count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
+        q_length = common.scalar_or_none(named.get("q_lengths"), b)
+        kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+        q_base = (q_block * 2 + wg) * block_q
+        rows = pl.ds(q_base, block_q)
+        if not separate_output:
+          # The previous item's dQ left through Q's buffer: reuse it once
+          # the copy has read it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_rows(head, b, q_block)
+        q_seg = None
+        if q_seg_ref is not None:
+          plgpu.barrier_wait(q_ready.at[4 * wg + 3])
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+                                 tile)
+        for j in range(3):
+          plgpu.barrier_wait(q_ready.at[4 * wg + j])
+        lse2 = broadcast_rows(
+            plgpu.load(stats_smem2.at[wg, 0], layout=_ROW), tile)
+        delta = broadcast_rows(
+            plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
+
+        def step(i, carry):
+          dq, step_class = carry
+          # The next step's class, read a step early: its load's latency
+          # would otherwise stall the step's start (the slot below depends
+          # on it).
+          next_class = class_ref[b, q_block, jnp.minimum(i + 1, count - 1),
+                                 wg]
+          full = step_class == masks.FULL
+          zero = common.loop_variant_zero(step_class)
+          slot = lax.rem(first_step + i, stages) + zero
+          q_smem, do_smem = q_smem2.at[wg + zero], do_smem2.at[wg + zero]
+
+          def dp_product(acc_ref):
+            plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+          def dp_then_free_v():
+            plgpu.barrier_wait(v_ready.at[slot])
+            dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return dp
+
+          if dp_first:
+            dp = dp_then_free_v()
+          plgpu.barrier_wait(k_ready.at[slot])
+          kv_seg = None
+          if kv_seg_ref is not None:
+            plgpu.barrier_wait(kvseg_ready.at[slot])
+            kv_seg = broadcast_cols(
+                plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+
+          def masked(s):
+            return spec.mask_tile(s, row_start=q_base + zero,
+                                  col_tile=tile_at(i),
+                                  col_block=block_kv, rows_are_queries=True,
+                                  q_length=q_length, kv_length=kv_length,
+                                  q_seg=q_seg, kv_seg=kv_seg)
+
+          def s_product(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+
+          if overlap_sdp and not dp_first:
+            # Both products issued at once; P is formed while dP is
+            # computed.  (With one K/V buffer dP already comes first.)
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def products(s_ref, dp_ref):
+              s_product(s_ref)
+              plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+              p, derivative = _probabilities(
+                  plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits,
+                  full, masked, lse2)
+              return p, derivative, dp_ref[...]
+            p, derivative, dp = pl.run_scoped(
+                products, plgpu.ACC(tile, jnp.float32),
+                plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+          else:
+            def qk_product(acc_ref):
+              s_product(acc_ref)
+              return acc_ref[...]
+            qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+            p, derivative = _probabilities(qk, logits, full, masked, lse2)
+            if not dp_first:
+              dp = dp_then_free_v()
+          ds = _score_gradient(p, dp, delta, derivative)
+
+          def dq_product(acc_ref):
+            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+          dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
+          plgpu.barrier_arrive(k_free.at[slot])
+          return dq, next_class
+
+        dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                               plgpu.Layout.WGMMA)
+        dq, _ = lax.fori_loop(0, count, step,
+                              (dq, class_ref[b, q_block, 0, wg]))
+        if separate_output:
+          # Q, dO and the statistics are no longer read: the next item's
+          # take their buffers while this dQ is written.
+          next_exists, next_where = next_item
+          pl.when(next_exists)(lambda: load_rows(*next_where))
+          # The previous item's dQ copy must have read its buffer.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem = out_smem2.at[wg]
+        out_smem[...] = (dq * logits.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, rows, head])
+        return first_step + count
+
+      @pl.when(wg < 2)
+      def _consumer():
+        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
+                                action="increase")
+        if separate_output:
+          first_k, first_where = items.item_at(block_order_ref, cta, 0)
+          pl.when(first_k < items.num_items)(lambda: load_rows(*first_where))
+        items.for_each(block_order_ref, cta, consume_item)
+        # The copies' reads of shared memory must finish before the CTA
+        # leaves; their writes land by the end of the kernel.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
+                                action="decrease")
+        produce_item = common.kv_item_producer(
+            order_ref, count_ref, group=group, stages=stages,
+            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
+            v=(v_ref, v_smem, v_ready, v_free),
+            segments=(kv_seg_ref, kvseg_smem, kvseg_ready), v_first=dp_first)
+        items.for_each(block_order_ref, cta, produce_item)
+
+    rows_tile = common.smem_tile((2, block_q, head_dim), dtype)
+    pl.run_scoped(
+        body,
+        rows_tile,
+        rows_tile,
+        rows_tile if separate_output else None,
+        plgpu.SMEM((2, 2, block_q), jnp.float32),
+        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+        common.smem_tile((stages, block_kv, head_dim), dtype),
+        common.smem_tile((stages, block_kv, head_dim), dtype),
+        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
+        plgpu.Barrier(num_barriers=8),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages) if segments else None,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(items.num_ctas,),
+      grid_names=("ctas",),
+      num_threads=3,
+      thread_name="wg",
+      kernel_name="jflash_dq",
+      compiler_params=common.COMPILER_PARAMS,
+  )(q, k, v, do, stats, kv_order, kv_count, classes, block_order, *extras)
+
+
+def _dq_smem_bytes(block_q: int, block_kv: int, stages: int, head_dim: int,
+                   dtype, segments: bool, *, separate_output: bool) -> int:
+  """Shared memory the dQ kernel's buffers take (barriers excluded)."""
+  size = jnp.dtype(dtype).itemsize
+  rows = 2 * block_q * head_dim * size * (3 if separate_output else 2)
+  stats = 2 * 2 * block_q * 4 + (2 * block_q * 4 if segments else 0)
+  ring = stages * (2 * block_kv * head_dim * size
+                   + (block_kv * 4 if segments else 0))
+  return rows + stats + ring
