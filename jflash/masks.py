@@ -553,15 +553,6 @@ def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
   return vis
 
 
-def visible_keys_bound(kv_len: int, window: tuple[int, int] | None) -> int:
-  """An upper bound on the keys one query sees: ``kv_len``, or the window's
-  span ``left + right + 1`` when shorter (causality and lengths can only
-  lower it)."""
-  if window is None:
-    return kv_len
-  return min(kv_len, window[0] + window[1] + 1)
-
-
 def max_visited_blocks(mask: AttentionMask, block_q: int,
                        block_kv: int) -> tuple[int, int]:
   """Static upper bounds on the nonempty tiles of one tile row and column.

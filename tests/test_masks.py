@@ -311,16 +311,3 @@ def test_key_visibility_at_matches_rows_of_the_full_mask():
                                     want[position], err_msg=str(seed))
 
 
-@pytest.mark.parametrize("window", [None, (0, 0), (5, 0), (3, 7), (40, 40)])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_visible_keys_bound_covers_every_row(window, is_causal):
-  """No query sees more keys than the bound; without causality, a query in
-  the middle of a long sequence sees exactly the bound."""
-  t, s = 50, 60
-  mask = masks.AttentionMask(batch=1, q_len=t, kv_len=s, is_causal=is_causal,
-                             window=window)
-  seen = np.asarray(mask.visibility()).sum(-1)
-  bound = masks.visible_keys_bound(s, window)
-  assert seen.max() <= bound
-  if not is_causal:
-    assert seen.max() == bound

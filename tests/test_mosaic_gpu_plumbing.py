@@ -217,11 +217,11 @@ def test_per_length_entries_apply_up_to_their_length(monkeypatch):
   assert mosaic_gpu.default_config(64, 1000) == mosaic_gpu.default_config(64)
 
 
-def test_fused_backward_default_follows_keys_per_query():
-  """At head dim 128 the fused backward is the default once every query can
-  see 8192 keys (a window's span counts, not the sequence), without a soft
-  cap or segment ids, and never at head dims 64 or 256; dQ-pass tiles set
-  by the caller keep the two-pass backward at every length."""
+def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
+  """At head dim 128 the fused backward is the default from 8192 keys when
+  every query sees the same keys (no causal mask, window, soft cap or
+  segment ids), and never at head dims 64 or 256; dQ-pass tiles set by the
+  caller keep the two-pass backward at every length."""
   assert mosaic_gpu.default_config(128, 8192).fuse_dq
   assert mosaic_gpu.default_config(128, 8192).dq_slots == 1
   assert mosaic_gpu.default_config(100, 16384).fuse_dq
@@ -230,8 +230,10 @@ def test_fused_backward_default_follows_keys_per_query():
   assert not mosaic_gpu.default_config(64, 65536).fuse_dq
   assert not mosaic_gpu.default_config(256, 65536).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, window=(1024, 0)).fuse_dq
-  assert mosaic_gpu.default_config(128, 16384, window=(8191, 0)).fuse_dq
-  assert mosaic_gpu.default_config(128, 16384, window=(4096, 4095)).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, window=(8191, 0)).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, window=(8192, 8192)).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, causal=True).fuse_dq
+  assert not MosaicGpuConfig().resolved(128, 16384, causal=True).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, soft_cap=True).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, segments=True).fuse_dq
   two_pass = MosaicGpuConfig(block_kv_dq=64).resolved(128, 16384)

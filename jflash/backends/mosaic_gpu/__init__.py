@@ -101,7 +101,8 @@ class MosaicGpuBackend:
     config = self.config.resolved(
         head_dim, call.mask.kv_len,
         soft_cap=call.logits_soft_cap is not None,
-        segments=spec.has_segments, window=spec.window)
+        segments=spec.has_segments, causal=spec.is_causal,
+        window=spec.window)
     plan = _Plan(spec=spec,
                  logits=LogitTransform(float(call.scale),
                                        call.logits_soft_cap),

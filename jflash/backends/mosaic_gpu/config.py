@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from jflash import masks
-
 
 _SWITCHES = ("overlap_qk", "fuse_dq", "overlap_sdp")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
@@ -104,6 +102,7 @@ class MosaicGpuConfig:
 
   def resolved(self, head_dim: int, kv_len: int | None = None, *,
                soft_cap: bool = False, segments: bool = False,
+               causal: bool = False,
                window: tuple[int, int] | None = None) -> "MosaicGpuConfig":
     """Every ``None`` field filled from :func:`default_config` for the head
     dim, (when given) the number of keys, and the features in use.
@@ -119,7 +118,7 @@ class MosaicGpuConfig:
         with it).
     """
     base = default_config(head_dim, kv_len, soft_cap=soft_cap,
-                          segments=segments, window=window)
+                          segments=segments, causal=causal, window=window)
     if (self.fuse_dq is None and base.fuse_dq
         and any(getattr(self, name) is not None for name in _DQ_PASS_ONLY)):
       # Tiles given for the separate dQ pass choose the two-pass backward,
@@ -209,13 +208,17 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 
 # The fused backward (five tile products instead of seven) pays for itself
 # once every query sees many keys, so that the fixed-order dQ accumulation
-# rarely makes a CTA wait.  On an H200 at head dim 128: +5.6% fwd+bwd at
-# 16384 keys without a mask, +4.2% causal; even (-0.3%) at 4096 causal;
-# -12% at 1024; -9% with a 1024-key window over 16384 keys; -6% at head
-# dim 64 (4096 causal).  Soft caps and segment ids are unmeasured with it
-# and keep the two-pass backward.  One dQ accumulator: at 16384 keys one,
-# two and four ran at the same speed (525.0, 530.9, 527.6 TFLOP/s), and
-# each takes 4 bytes per element of Q.
+# rarely makes a CTA wait.  On an H200 at head dim 128 without a mask:
+# +5.6% fwd+bwd at 16384 keys; -12% at 1024.  One dQ accumulator: at 16384
+# keys one, two and four ran at the same speed there (525.0, 530.9, 527.6
+# TFLOP/s), and each takes 4 bytes per element of Q (four broke the linear
+# memory bound at 131072 keys).  A mask whose visible keys move with the
+# query keeps the two-pass backward: causal at 16384 keys the fused kernel
+# ran at 387 TFLOP/s with one accumulator (likely a wavefront: each key
+# block starts at its diagonal query block, after the block before it) against 492 two-pass and 514 with
+# four accumulators; a 1024-key window lost 9% even with four; at head dim
+# 64 it lost 6% (4096 causal).  Soft caps and segment ids are unmeasured
+# with it and keep the two-pass backward.
 _FUSED_MIN_KEYS_PER_QUERY = {64: None, 128: 8192, 256: None}
 
 
@@ -235,6 +238,7 @@ def tuned_config(head_dim: int, kv_len: int | None = None
 def default_config(head_dim: int, kv_len: int | None = None, *,
                    soft_cap: bool = False,
                    segments: bool = False,
+                   causal: bool = False,
                    window: tuple[int, int] | None = None) -> MosaicGpuConfig:
   """The configuration a call gets by default for a head dim (padded to 64,
   128 or 256), adjusted to the number of keys ``kv_len`` when given and to
@@ -243,10 +247,9 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   Rules, in order:
 
   * the tuned table (:func:`tuned_config`);
-  * the fused backward (``fuse_dq``) at head dim 128 when each query can
-    see at least 8192 keys (``kv_len``, or the ``window``'s span when it
-    is shorter), without a soft cap or segment ids, with one dQ
-    accumulator;
+  * the fused backward (``fuse_dq``) at head dim 128 from 8192 keys
+    (``kv_len``) when every query sees the same keys: not ``causal``, no
+    ``window``, no soft cap and no segment ids; with one dQ accumulator;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
     128 at head dim 64;
@@ -260,8 +263,8 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   config = _table(padded, kv_len)
   if kv_len is not None:
     fused_from = _FUSED_MIN_KEYS_PER_QUERY[padded]
-    if (fused_from is not None and not soft_cap and not segments
-        and masks.visible_keys_bound(kv_len, window) >= fused_from):
+    if (fused_from is not None and kv_len >= fused_from
+        and not (soft_cap or segments or causal) and window is None):
       config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
   widest = {}
   if soft_cap:
