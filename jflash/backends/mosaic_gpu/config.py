@@ -214,12 +214,12 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # TFLOP/s), and each takes 4 bytes per element of Q (four broke the linear
 # memory bound at 131072 keys).  A mask whose visible keys move with the
 # query keeps the two-pass backward: causal at 16384 keys the fused kernel
-# ran at 387 TFLOP/s with one accumulator (likely a wavefront: each key
-# block starts at its diagonal query block, after the block before it) against 492 two-pass and 514 with
-# four accumulators; a 1024-key window lost 9% even with four; at head dim
-# 64 it lost 6% (4096 causal).  Soft caps and segment ids are unmeasured
-# with it and keep the two-pass backward.
-_FUSED_MIN_KEYS_PER_QUERY = {64: None, 128: 8192, 256: None}
+# ran at 387 TFLOP/s with one accumulator against 492 two-pass and 514
+# with four accumulators (likely a wavefront: each key block starts at its
+# diagonal query block, after the block before it); a 1024-key window lost
+# 9% even with four; at head dim 64 it lost 6% (4096 causal).  Soft caps
+# and segment ids are unmeasured with it and keep the two-pass backward.
+_FUSED_MIN_KEYS = {64: None, 128: 8192, 256: None}
 
 
 def tuned_config(head_dim: int, kv_len: int | None = None
@@ -262,7 +262,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   padded = padded_head_dim(head_dim)
   config = _table(padded, kv_len)
   if kv_len is not None:
-    fused_from = _FUSED_MIN_KEYS_PER_QUERY[padded]
+    fused_from = _FUSED_MIN_KEYS[padded]
     if (fused_from is not None and kv_len >= fused_from
         and not (soft_cap or segments or causal) and window is None):
       config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
