@@ -276,16 +276,6 @@ class PersistentItems:
     lax.fori_loop(0, self.passes, one, jnp.int32(0))
 
 
-def cta_block(block_order_ref, blocks_per_row: int) -> tuple[Array, Array]:
-  """``(batch row, block)`` of this CTA in a kernel launched over the grid
-  ``(heads, blocks)``: entry ``axis_index("blocks")`` of a
-  :func:`jflash.masks.heaviest_first` order of ``[B, blocks_per_row]``
-  blocks.  The last grid axis is the fastest-launched one, so the blocks
-  start longest first, head by head."""
-  flat = block_order_ref[lax.axis_index("blocks")]
-  return lax.div(flat, blocks_per_row), lax.rem(flat, blocks_per_row)
-
-
 def schedule_row(order_ref, count_ref, batch_index, block_index):
   """(number of tiles to visit, function step -> tile index) of one row of a
   :class:`jflash.masks.TileSchedule` kept in GMEM."""
