@@ -137,15 +137,49 @@ def _tokamax(cell: Cell) -> Attend:
 
 def _jflash_backend_name(text: str):
   """The ``implementation=`` value for ``jflash:<text>``: a backend name,
-  None for jflash's own choice, or ``mosaic_gpu_fused`` (the Hopper kernels
-  with ``MosaicGpuConfig(fuse_dq=True)``)."""
+  None for jflash's own choice, ``mosaic_gpu_fused`` (the Hopper kernels
+  with ``MosaicGpuConfig(fuse_dq=True)``), or ``mosaic_gpu+field=value...``
+  (the Hopper kernels with those ``MosaicGpuConfig`` fields, e.g.
+  ``mosaic_gpu+overlap_sdp=true+dq_slots=2``; ``true``/``false`` are
+  booleans, anything else an integer), so that a configuration is timed
+  interleaved with the default and the peers in one run."""
   if text in ("", "default", "none", "None"):
     return None
   if text == "mosaic_gpu_fused":
     from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
     return MosaicGpuBackend(MosaicGpuConfig(fuse_dq=True),
                             name="mosaic_gpu_fused")
+  backend, _, fields = text.partition("+")
+  if fields:
+    if backend != "mosaic_gpu":
+      raise ValueError(f"configuration fields are read for mosaic_gpu only, "
+                       f"got jflash:{text!r}")
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(**_config_fields(fields)),
+                            name=text)
   return text
+
+
+def _config_fields(text: str) -> dict:
+  """``"overlap_sdp=true+dq_slots=2"`` -> ``MosaicGpuConfig`` keyword
+  arguments."""
+  from jflash.backends.mosaic_gpu import MosaicGpuConfig
+  known = {f.name for f in dataclasses.fields(MosaicGpuConfig)}
+  fields = {}
+  for item in text.split("+"):
+    key, eq, value = item.partition("=")
+    if not eq or key not in known:
+      raise ValueError(f"expected MosaicGpuConfig fields as name=value "
+                       f"joined by '+', got {item!r} (fields: "
+                       f"{', '.join(sorted(known))})")
+    low = value.lower()
+    try:
+      fields[key] = (low == "true") if low in ("true", "false") else int(
+          value)
+    except ValueError:
+      raise ValueError(f"MosaicGpuConfig.{key} takes true, false or an "
+                       f"integer, got {value!r}") from None
+  return fields
 
 
 def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
@@ -154,7 +188,8 @@ def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
 
   Names: ``jflash`` (backend ``jflash_impl``; ``default`` lets jflash
   choose), ``jflash:<backend>`` for a specific backend (or
-  ``jflash:mosaic_gpu_fused``, the one-pass backward), ``jax_nn_cudnn``,
+  ``jflash:mosaic_gpu_fused``, the one-pass backward, or
+  ``jflash:mosaic_gpu+field=value+...``, a configuration), ``jax_nn_cudnn``,
   ``jax_nn_xla``, ``tokamax``.
   """
   impls = []

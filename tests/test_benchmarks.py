@@ -372,3 +372,24 @@ def test_fused_backward_column_uses_the_fused_config():
   assert backend.config.fuse_dq is True
   assert impls._jflash_backend_name("default") is None
   assert impls._jflash_backend_name("xla") == "xla"
+
+
+def test_configured_column_passes_its_fields_to_the_hopper_kernels():
+  (impl,) = impls.make_impls(["jflash:mosaic_gpu+overlap_sdp=true+block_kv=64"])
+  assert "mosaic_gpu+overlap_sdp=true+block_kv=64" in impl.note
+  backend = impls._jflash_backend_name("mosaic_gpu+overlap_sdp=true+block_kv=64")
+  assert backend.config.overlap_sdp is True
+  assert backend.config.block_kv == 64
+  assert backend.config.stages is None  # the rest left to the defaults
+  assert backend.name == "mosaic_gpu+overlap_sdp=true+block_kv=64"
+
+
+@pytest.mark.parametrize("text,named", [
+    ("mosaic_gpu+no_such_field=1", "no_such_field"),
+    ("mosaic_gpu+block_kv", "block_kv"),
+    ("mosaic_gpu+block_kv=wide", "wide"),
+    ("xla+block_kv=64", "mosaic_gpu only"),
+])
+def test_configured_column_rejects_bad_fields_by_name(text, named):
+  with pytest.raises(ValueError, match=named):
+    impls.make_impls([f"jflash:{text}"])
