@@ -93,11 +93,13 @@ def backward_groups(head_dim: int) -> list[list[dict]]:
   dkv = [dict(block_q_dkv=a, block_kv_dkv=b) for a, b in
          itertools.product(blocks, blocks)
          if head_dim <= 128 or b == 64]
-  stages = [dict(stages_dq=a, stages_dkv=b) for a, b in
-            itertools.product((1, 2, 3), (1, 2, 3))]
+  # A one-buffer dQ pass cannot issue S and dP together (overlap_sdp).
+  stages = [dict(stages_dq=a, stages_dkv=b,
+                 **(dict(overlap_sdp=False) if a == 1 else {}))
+            for a, b in itertools.product((1, 2, 3), (1, 2, 3))]
   groups = [dq, dkv, stages]
   if head_dim <= 128:  # overlap_sdp's and the one-pass backward's range
-    groups.append([dict(overlap_sdp=True)])
+    groups.append([dict(overlap_sdp=False), dict(overlap_sdp=True)])
     # The fused backward replaces the dQ pass, whose fields it rejects.
     no_dq_pass = dict(block_q_dq=None, block_kv_dq=None, stages_dq=None)
     groups.append([dict(fuse_dq=False)] + [

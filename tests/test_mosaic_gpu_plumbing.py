@@ -59,6 +59,27 @@ def test_fused_backward_rejects_head_dim_256():
   assert MosaicGpuConfig(fuse_dq=True).resolved(100).fuse_dq
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 100, 128, 256])
+def test_overlap_sdp_default_follows_head_dim_and_features(head_dim):
+  """S and dP are issued together by default up to head dim 128, not
+  with segment ids or a soft cap, and a caller's stages_dq=1 (which cannot
+  issue them together) turns the default off instead of failing; a
+  caller's explicit choice is kept."""
+  small = head_dim <= 128
+  assert mosaic_gpu.default_config(head_dim).overlap_sdp == small
+  assert mosaic_gpu.default_config(head_dim, 4096, causal=True).overlap_sdp \
+      == small
+  assert not mosaic_gpu.default_config(head_dim, segments=True).overlap_sdp
+  assert not mosaic_gpu.default_config(head_dim, soft_cap=True).overlap_sdp
+  assert not MosaicGpuConfig(stages_dq=1).resolved(head_dim).overlap_sdp
+  assert not MosaicGpuConfig(overlap_sdp=False).resolved(head_dim).overlap_sdp
+  if small:
+    assert MosaicGpuConfig(overlap_sdp=True).resolved(
+        head_dim, segments=True).overlap_sdp
+    with pytest.raises(ValueError, match="stages_dq=1"):
+      MosaicGpuConfig(overlap_sdp=True, stages_dq=1).resolved(head_dim)
+
+
 def test_overlap_sdp_rejects_configurations_it_cannot_change():
   """overlap_sdp is refused where no pass would issue S and dP together:
   head dim 256, and a one-buffer dQ pass of the two-pass backward."""
@@ -172,18 +193,23 @@ def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_feature_rules_narrow_key_tiles(head_dim):
   """A soft cap narrows the dQ key tile to at most 64 above head dim 64,
-  segment ids the forward key tile to at most 128 at head dim 64; nothing else changes,
-  the narrower of a feature's and the length rule's tile wins, and a
-  caller's explicit tile is kept."""
+  segment ids the forward key tile to at most 128 at head dim 64; both
+  turn overlap_sdp off; nothing else changes, the narrower of a feature's
+  and the length rule's tile wins, and a caller's explicit tile is
+  kept."""
   row = mosaic_gpu.default_config(head_dim)
   capped = mosaic_gpu.default_config(head_dim, soft_cap=True)
   assert capped.block_kv_dq == (row.block_kv_dq if head_dim == 64
                                 else min(64, row.block_kv_dq))
-  assert dataclasses.replace(capped, block_kv_dq=row.block_kv_dq) == row
+  assert not capped.overlap_sdp
+  assert dataclasses.replace(capped, block_kv_dq=row.block_kv_dq,
+                             overlap_sdp=row.overlap_sdp) == row
   packed = mosaic_gpu.default_config(head_dim, segments=True)
   assert packed.block_kv == (min(128, row.block_kv) if head_dim == 64
                              else row.block_kv)
-  assert dataclasses.replace(packed, block_kv=row.block_kv) == row
+  assert not packed.overlap_sdp
+  assert dataclasses.replace(packed, block_kv=row.block_kv,
+                             overlap_sdp=row.overlap_sdp) == row
   both = MosaicGpuConfig().resolved(head_dim, 100, soft_cap=True,
                                     segments=True)
   assert both.block_kv_dq == min(capped.block_kv_dq, 128)  # 100 keys
@@ -418,10 +444,11 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
                                      dict(overlap_sdp=True),
+                                     dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
                          ids=["default", "overlap_qk", "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
-                              "fuse_dq_overlap_sdp"])
+                              "plain_sdp", "fuse_dq_overlap_sdp"])
 @pytest.mark.parametrize("head_dim,features", [
     (128, dict(is_causal=True, lengths=True)),
     (64, dict(segments=True, window=(33, 5), soft_cap=2.0)),
@@ -463,11 +490,13 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
                       else ("jflash_dq", "jflash_dkv"))
   for name in ("jflash_forward",) + backward_kernels:
     assert f"{name}_mosaic_gpu" in text, name
-  # Only the overlapped forward, and backward passes with overlap_sdp, wait
-  # for all but the newest product.
+  # Only the overlapped forward, and backward passes with overlap_sdp (set
+  # or by default), wait for all but the newest product.
   jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
-  assert ("wait_n=1" in jaxpr) == bool(variant.get("overlap_qk")
-                                       or variant.get("overlap_sdp"))
+  assert ("wait_n=1" in jaxpr) == (plan.config.overlap_qk
+                                   or plan.config.overlap_sdp)
+  if "overlap_sdp" in variant:
+    assert plan.config.overlap_sdp == variant["overlap_sdp"]
 
 
 @pytest.mark.parametrize("rules", [dict(is_causal=True),

@@ -108,7 +108,8 @@ class MosaicGpuConfig:
     dim, (when given) the number of keys, and the features in use.
 
     With ``fuse_dq`` left to the default, setting any field of the
-    separate dQ pass selects the two-pass backward.
+    separate dQ pass selects the two-pass backward; with ``overlap_sdp``
+    left to the default, ``stages_dq=1`` turns it off.
 
     Raises:
       ValueError: ``fuse_dq`` or ``overlap_sdp`` at a head dim above 128,
@@ -124,6 +125,10 @@ class MosaicGpuConfig:
       # Tiles given for the separate dQ pass choose the two-pass backward,
       # so that a configuration valid at one length stays valid at another.
       base = dataclasses.replace(base, fuse_dq=False)
+    if self.overlap_sdp is None and self.stages_dq == 1:
+      # A one-buffer dQ pass computes dP before S, so nothing is issued
+      # together: a caller asking for it gets the plain order by default.
+      base = dataclasses.replace(base, overlap_sdp=False)
     config = dataclasses.replace(base, **{
         f.name: getattr(self, f.name) for f in dataclasses.fields(self)
         if getattr(self, f.name) is not None})
@@ -164,11 +169,11 @@ _DEFAULTS = {
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
-                        fuse_dq=False, dq_slots=4, overlap_sdp=False),
+                        fuse_dq=False, dq_slots=4, overlap_sdp=True),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
-                         fuse_dq=False, dq_slots=4, overlap_sdp=False),
+                         fuse_dq=False, dq_slots=4, overlap_sdp=True),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
@@ -204,6 +209,13 @@ def padded_head_dim(head_dim: int) -> int:
 # registers per thread, spilling 292 bytes at head dim 64 (128-key tiles:
 # +12% forward there).
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
+# overlap_sdp is in the table at head dims 64 and 128: on an H200, timed
+# interleaved with the plain order in one run (benchmarks.grid), fwd+bwd
+# +1% to +5% on every two-pass cell (S=4096 446 -> 463 TFLOP/s, S=16384
+# causal 489 -> 501, 1024-key window 387 -> 401, H=64 S=1024 302 -> 318)
+# and even on the fused one; with 8 packed segments per row it lost 7%
+# (428 -> 397), so segment ids keep the plain order, as does a soft cap,
+# whose derivative tile it has not been timed with.
 _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 
 # The fused backward (five tile products instead of seven) pays for itself
@@ -252,7 +264,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     ``window``, no soft cap and no segment ids; with one dQ accumulator;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
-    128 at head dim 64;
+    128 at head dim 64; with either, ``overlap_sdp`` is off;
   * no key tile of the forward or the dQ pass is wider than the keys.  A
     tile is narrowed to the smallest of 64, 128 and 256 that covers
     ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do
@@ -266,6 +278,8 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     if (fused_from is not None and kv_len >= fused_from
         and not (soft_cap or segments or causal) and window is None):
       config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
+  if config.overlap_sdp and (soft_cap or segments):
+    config = dataclasses.replace(config, overlap_sdp=False)
   widest = {}
   if soft_cap:
     widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ[padded]
