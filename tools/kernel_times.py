@@ -14,7 +14,10 @@ Usage (from the repository root, on the GPU)::
   PYTHONPATH=. python3 tools/kernel_times.py [--cells 128:1024:0 ...]
       [--config fuse_dq=true ...]
 
-A cell is ``H:S:causal`` with ``B*S = 16384`` and ``N*H = 2048``.
+A cell is ``H:S:causal`` with ``B*S = 16384`` and ``N*H = 2048``.  The
+cotangent is an argument of the timed function, as in a training step (a
+closed-over constant would let XLA fold the backward's work on it at
+compile time).  ``--hlo DIR`` writes each function's optimized HLO there.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ _DEFAULT_CELLS = ("128:1024:0", "128:1024:1", "128:4096:1", "128:16384:0",
 # Tile products per visited pair, for FLOP rates per kernel.
 _PRODUCTS = {"jflash_forward": 2, "jflash_dq": 3, "jflash_dkv": 4,
              "jflash_fused_backward": 5}
+
+
+def write_hlo(fn, args, path: str) -> None:
+  """The optimized HLO of ``jax.jit`` function ``fn`` on ``args``."""
+  with open(path, "w") as f:
+    f.write(fn.lower(*args).compile().as_text())
 
 
 def _kernel_medians(fn, args, iterations: int) -> list[tuple[str, float]]:
@@ -59,6 +68,8 @@ def main() -> None:
                       help="MosaicGpuConfig fields for jflash")
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--no-cudnn", action="store_true")
+  parser.add_argument("--hlo", metavar="DIR", default=None,
+                      help="write each function's optimized HLO to DIR")
   args = parser.parse_args()
 
   import jax  # noqa: PLC0415 (only where a GPU runs)
@@ -82,11 +93,15 @@ def main() -> None:
       impls.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=bool(causal), implementation="cudnn")))
     for name, attend in impls:
-      def both(q, k, v, attend=attend):
+      def both(q, k, v, cot, attend=attend):
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(cot))
+      fn, fn_args = jax.jit(both), (q, k, v, cot)
       try:
-        kernels = _kernel_medians(jax.jit(both), (q, k, v), args.iterations)
+        if args.hlo:
+          write_hlo(fn, fn_args, f"{args.hlo}/{text.replace(':', '_')}_"
+                    f"{name}.hlo.txt")
+        kernels = _kernel_medians(fn, fn_args, args.iterations)
       except Exception as err:  # noqa: BLE001 (report and go on)
         print(f"h={head_dim} s={seq} causal={causal} {name}: "
               f"{type(err).__name__}: {str(err)[:200]}", flush=True)

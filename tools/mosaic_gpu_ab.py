@@ -92,16 +92,16 @@ def main() -> None:
           q, k, v, is_causal=causal, implementation=backend)
       forward = jax.jit(attend)
 
-      def both(q, k, v, attend=attend):
+      def both(q, k, v, cot, attend=attend):  # cot an argument, as in training
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(cot))
       both = jax.jit(both)
       try:
-        first, second = both(q, k, v), both(q, k, v)
+        first, second = both(q, k, v, cot), both(q, k, v, cot)
         same = all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(first, second))
         results[name] = first
-        t_fwd, t_both = _time(forward, (q, k, v)), _time(both, (q, k, v))
+        t_fwd, t_both = _time(forward, (q, k, v)), _time(both, (q, k, v, cot))
         print(f"h={head_dim} s={seq} causal={causal} {name}: fwd "
               f"{flops / t_fwd / 1e12:6.1f} fwd+bwd "
               f"{3.5 * flops / t_both / 1e12:6.1f} bwd-only "

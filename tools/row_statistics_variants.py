@@ -98,6 +98,9 @@ def main() -> None:
   parser.add_argument("--cells", nargs="*",
                       default=["128:1024:0", "128:4096:1", "128:16384:0"])
   parser.add_argument("--iterations", type=int, default=10)
+  parser.add_argument("--variants", nargs="*", default=None,
+                      help="names of the formulations to time (default: "
+                      "all); 'current' always runs first")
   args = parser.parse_args()
 
   import jax  # noqa: PLC0415
@@ -108,6 +111,13 @@ def main() -> None:
   from jflash.backends import mosaic_gpu  # noqa: PLC0415
   rng = np.random.default_rng(0)
   variants = _variants()
+  if args.variants:
+    unknown = set(args.variants) - set(variants)
+    if unknown:
+      raise SystemExit(f"unknown variants {sorted(unknown)}; known: "
+                       f"{sorted(variants)}")
+    variants = {name: variant for name, variant in variants.items()
+                if name == "current" or name in args.variants}
   for text in args.cells:
     head_dim, seq, causal = (int(x) for x in text.split(":"))
     heads, batch = 2048 // head_dim, 16384 // seq
@@ -117,20 +127,20 @@ def main() -> None:
     for name, variant in variants.items():
       mosaic_gpu._row_statistics = variant  # noqa: SLF001
 
-      def both(q, k, v):
+      def both(q, k, v, cot):
         out, vjp = jax.vjp(lambda q, k, v: jflash.dot_product_attention(
             q, k, v, is_causal=bool(causal), implementation="mosaic_gpu"),
             q, k, v)
         return (out, *vjp(cot))
-      fn = jax.jit(both)
-      grads = [np.asarray(x, np.float32) for x in fn(q, k, v)]
+      fn = jax.jit(both)  # the cotangent an argument, as in training
+      grads = [np.asarray(x, np.float32) for x in fn(q, k, v, cot)]
       if reference is None:
         reference, same = grads, "reference"
       else:
         worst = max(float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
                     for a, b in zip(grads, reference))
         same = f"max rel. difference to current {worst:.1e}"
-      kernels = _kernel_medians(fn, (q, k, v), args.iterations)
+      kernels = _kernel_medians(fn, (q, k, v, cot), args.iterations)
       total = sum(ms for _, ms in kernels)
       others = [(n, ms) for n, ms in kernels if not n.startswith("jflash")]
       other_ms = sum(ms for _, ms in others)
