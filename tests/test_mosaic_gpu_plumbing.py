@@ -572,6 +572,27 @@ def test_row_statistics_sum_matches_a_float64_sum(width):
                 <= 4 * width * np.finfo(np.float32).eps * scale + 1e-30)
 
 
+@pytest.mark.parametrize("width", [1, 3, 32, 33, 64, 80, 128, 256])
+def test_row_statistics_sum_adds_in_the_halving_order(width):
+  """The row sum's additions are exactly those of halving the row (padded
+  to a power of two with zeros): element i plus element i + n/2 until one
+  is left, in float32, whatever stages it is computed in; a NumPy loop of
+  those additions gives the same bits."""
+  x = jax.random.normal(jax.random.key(100 + width), (4, 7, width),
+                        jnp.float32)
+  got = np.asarray(jax.jit(mosaic_gpu._fixed_order_row_sum)(x))
+  want = np.asarray(x)
+  size = 1
+  while size < width:
+    size *= 2
+  want = np.concatenate(
+      [want, np.zeros(want.shape[:-1] + (size - width,), np.float32)], -1)
+  while want.shape[-1] > 1:
+    half = want.shape[-1] // 2
+    want = (want[..., :half] + want[..., half:]).astype(np.float32)
+  np.testing.assert_array_equal(got, want[..., 0])
+
+
 @pytest.mark.parametrize("num_heads,batch,blocks", [(16, 1, 8), (3, 2, 5),
                                                     (1, 1, 1), (64, 4, 16)])
 def test_persistent_items_deal_every_item_once(num_heads, batch, blocks):

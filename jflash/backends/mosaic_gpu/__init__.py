@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jflash import masks
 from jflash.backends import trace_time
@@ -274,23 +275,48 @@ def _forward(q, k, v, mask, plan: _Plan):
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 
+# Partial sums the first stage of :func:`_fixed_order_row_sum` leaves per
+# row: neighbouring threads then read neighbouring columns.
+_ROW_SUM_COLUMNS = 32
+
+
+def _halve_axis(x: jax.Array, axis: int) -> jax.Array:
+  """Sums a power-of-two axis by halving it: element ``i`` plus element
+  ``i + n/2``, again and again, until one is left (the axis is dropped)."""
+  while x.shape[axis] > 1:
+    half = x.shape[axis] // 2
+    x = (lax.slice_in_dim(x, 0, half, axis=axis)
+         + lax.slice_in_dim(x, half, 2 * half, axis=axis))
+  return lax.squeeze(x, (axis,))
+
+
 def _fixed_order_row_sum(x: jax.Array) -> jax.Array:
   """Sum over the last axis as a fixed tree of elementwise additions.
 
   ``jnp.sum`` leaves the order of the additions to XLA, which may pick a
   different reduction strategy in another process (its autotuner), and so
   different bits; dQ and dK inherit them through ``delta``.  Halving the
-  axis until one column is left fixes every addition, so the backward's
-  gradients are bitwise reproducible across processes.
+  axis (padded to a power of two) until one column is left fixes every
+  addition, so the backward's gradients are bitwise reproducible across
+  processes.
+
+  The same additions run in two stages: the axis is split into
+  ``[width / 32, 32]`` and halved over its first part, which adds elements
+  ``i`` and ``i + width / 2`` as the one-stage tree does, but with
+  neighbouring threads reading neighbouring columns; the 32 partial sums
+  per row are materialized, then halved.  Halving the whole row in one
+  fusion read each row's elements from one thread: on an H200 that took
+  0.36 ms at ``B*T = 16384, N*H = 2048`` against 0.06 ms in two stages,
+  with bitwise-equal results.
   """
   width = 1
   while width < x.shape[-1]:
     width *= 2
   x = pad_axis(x, x.ndim - 1, width)
-  while x.shape[-1] > 1:
-    half = x.shape[-1] // 2
-    x = x[..., :half] + x[..., half:]
-  return x[..., 0]
+  if width > _ROW_SUM_COLUMNS:
+    x = x.reshape(*x.shape[:-1], width // _ROW_SUM_COLUMNS, _ROW_SUM_COLUMNS)
+    x = jax.lax.optimization_barrier(_halve_axis(x, x.ndim - 2))
+  return _halve_axis(x, x.ndim - 1)
 
 
 def _row_statistics(out: jax.Array, d_out: jax.Array, lse: jax.Array,
