@@ -213,10 +213,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         def _():
           plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
         # The consumers alternate on the tensor cores: each passes the turn
-        # after issuing Q K^T and waits for it before P V.  The second
-        # starts by waiting and the first ends by passing, so that every
-        # wait has its pass (on every item).
-        pl.when(wg == 1)(lambda: common.wait_turn(wg))
+        # after issuing Q K^T and waits for it before P V, over the CTA's
+        # whole stream of steps (see _consumer).
         if overlap_qk:
           acc, m, l = _overlapped_steps(
               acc, m, l, count=count, first_step=first_step, stages=stages,
@@ -231,7 +229,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         else:
           acc, m, l, _ = lax.fori_loop(
               0, count, step, (acc, m, l, class_ref[b, q_block, 0, wg]))
-        pl.when(wg == 0)(lambda: common.pass_turn(wg))
 
         if prefetch_q:
           # Every Q K^T of this item has completed: the next item's Q may
@@ -261,7 +258,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         if prefetch_q:
           first_k, first_where = item_at(0)
           pl.when(first_k < items.num_items)(lambda: load_q(*first_where))
+        # Both consumers take the same items, so each makes one pass and
+        # one wait per step of the CTA's stream, alternately.  The second
+        # waits once before its first step and the first passes once after
+        # its last, so that every wait has its pass.  Per item instead, the
+        # first consumer's pass at the end of an item and its pass after
+        # the next item's first Q K^T could both arrive before the second
+        # consumer's wait: two arrivals complete the 256-thread barrier
+        # without it, and the consumers deadlock.
+        pl.when(wg == 1)(lambda: common.wait_turn(wg))
         for_each_item(consume_item)
+        pl.when(wg == 0)(lambda: common.pass_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
       @pl.when(wg == 2)
@@ -353,9 +360,11 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
   ``P V`` finishes, then rescales ``O``.  A first step computes ``S_0``
   alone and a last one adds ``P V`` of the final tile.  Expects ``K_0``
   waited for, and the turn taken as in the plain loop: each group of
-  products is issued after ``wait_turn`` (except the first consumer's
-  first) and followed by ``pass_turn`` (except after the last, where the
-  caller's final pass of the first consumer balances the second's waits).
+  products is issued after ``wait_turn`` (except the first, ``S_0``) and
+  followed by ``pass_turn`` (except the last, ``P V`` of the final tile),
+  so that over the items of a CTA each consumer passes and waits
+  alternately (the caller's one wait of the second consumer before its
+  first item and one pass of the first after its last balance them).
   Returns ``(acc, m, l)`` as the plain loop does.
   """
   def slot_of(i):
