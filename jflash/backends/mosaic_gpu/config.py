@@ -49,7 +49,8 @@ class MosaicGpuConfig:
       products together and form ``P`` while ``dP`` is computed, instead of
       waiting for each in turn (more registers live at once).  Head dims
       up to 128 (at 256 each dK/dV warpgroup forms only one of them), and
-      not with ``stages_dq=1``, whose dQ pass computes ``dP`` first.
+      not with ``stages_dq=1``, whose dQ pass computes ``dP`` first.  On by
+      default at head dims up to 128 without segment ids or a soft cap.
     dq_slots: how many float32 dQ accumulators the fused backward adds
       into (at least 1).  Key block ``j`` adds into accumulator
       ``j % dq_slots``, in key-block order within each, and the
