@@ -210,6 +210,7 @@ def padded_head_dim(head_dim: int) -> int:
 # registers per thread, spilling 292 bytes at head dim 64 (128-key tiles:
 # +12% forward there).
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
+_SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # overlap_sdp is in the table at head dims 64 and 128: on an H200, timed
 # interleaved with the plain order in one run (benchmarks.grid), fwd+bwd
 # +1% to +5% on every two-pass cell (S=4096 446 -> 463 TFLOP/s, S=16384
@@ -217,7 +218,6 @@ _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
 # and even on the fused one; with 8 packed segments per row it lost 7%
 # (428 -> 397), so segment ids keep the plain order, as does a soft cap,
 # whose derivative tile it has not been timed with.
-_SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 
 # The fused backward (five tile products instead of seven) pays for itself
 # once every query sees many keys, so that the fixed-order dQ accumulation
