@@ -155,22 +155,23 @@ def _jflash_backend_name(text: str):
       raise ValueError(f"configuration fields are read for mosaic_gpu only, "
                        f"got jflash:{text!r}")
     from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-    return MosaicGpuBackend(MosaicGpuConfig(**_config_fields(fields)),
-                            name=text)
+    return MosaicGpuBackend(MosaicGpuConfig(**config_fields(
+        fields.split("+"))), name=text)
   return text
 
 
-def _config_fields(text: str) -> dict:
-  """``"overlap_sdp=true+dq_slots=2"`` -> ``MosaicGpuConfig`` keyword
-  arguments."""
+def config_fields(items: list[str]) -> dict:
+  """``["overlap_sdp=true", "dq_slots=2"]`` -> ``MosaicGpuConfig`` keyword
+  arguments (``true``/``false`` are booleans, anything else an integer);
+  the command-line form of a configuration, shared with ``tools/``."""
   from jflash.backends.mosaic_gpu import MosaicGpuConfig
   known = {f.name for f in dataclasses.fields(MosaicGpuConfig)}
   fields = {}
-  for item in text.split("+"):
+  for item in items:
     key, eq, value = item.partition("=")
     if not eq or key not in known:
-      raise ValueError(f"expected MosaicGpuConfig fields as name=value "
-                       f"joined by '+', got {item!r} (fields: "
+      raise ValueError(f"expected MosaicGpuConfig fields as name=value, "
+                       f"got {item!r} (fields: "
                        f"{', '.join(sorted(known))})")
     low = value.lower()
     try:

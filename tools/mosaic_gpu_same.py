@@ -41,13 +41,10 @@ def _digest(x) -> str:
 
 
 def _parse_config(items: list[str]) -> dict:
-  """``["fuse_dq=true", "stages=3"]`` -> MosaicGpuConfig fields."""
-  fields = {}
-  for item in items:
-    key, value = item.split("=", 1)
-    low = value.lower()
-    fields[key] = (low == "true") if low in ("true", "false") else int(value)
-  return fields
+  """``["fuse_dq=true", "stages=3"]`` -> MosaicGpuConfig fields
+  (:func:`benchmarks.impls.config_fields`)."""
+  from benchmarks.impls import config_fields  # noqa: PLC0415
+  return config_fields(items)
 
 
 def _run(path: str, implementation: str, shrink: int,

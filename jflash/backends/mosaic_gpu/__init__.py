@@ -315,7 +315,7 @@ def _fixed_order_row_sum(x: jax.Array) -> jax.Array:
   x = pad_axis(x, x.ndim - 1, width)
   if width > _ROW_SUM_COLUMNS:
     x = x.reshape(*x.shape[:-1], width // _ROW_SUM_COLUMNS, _ROW_SUM_COLUMNS)
-    x = jax.lax.optimization_barrier(_halve_axis(x, x.ndim - 2))
+    x = lax.optimization_barrier(_halve_axis(x, x.ndim - 2))
   return _halve_axis(x, x.ndim - 1)
 
 
