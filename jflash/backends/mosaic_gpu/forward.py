@@ -9,9 +9,11 @@ the consumers finish the last.  Three warpgroups:
 * two consumer warpgroups, each owning ``block_q`` query rows: ``Q K^T`` on
   the tensor cores (``wgmma``), online softmax in float32 registers (base-2
   exponent, scale folded in), ``P V`` on the tensor cores.  Two hardware
-  named barriers make them alternate (each passes the turn after issuing
-  ``Q K^T`` without waiting, and waits for it before ``P V``), so that one's
-  softmax overlaps the other's matrix products;
+  named barriers make them alternate (each waits for the turn before ``P
+  V`` and passes it without waiting once the next ``Q K^T`` is issued, or
+  right after ``P V`` at an item's last step), so that one's softmax
+  overlaps the other's matrix products and one's epilogue (normalizing and
+  storing an item's output) never holds up the other;
 * one producer warpgroup that streams the nonempty K/V tiles of the CTA's
   row block (from :func:`jflash.masks.tile_schedule`) through a ring of
   ``stages`` shared-memory buffers with TMA, waiting on "consumed" barriers
@@ -172,7 +174,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
           def qk_product(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            common.pass_turn(wg)
+            # An item's first Q K^T is issued outside a turn: the previous
+            # item's last P V passed it (see _consumer).
+            pl.when(i > 0)(lambda: common.pass_turn(wg))
             return acc_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
@@ -195,6 +199,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
           def pv_product(acc_ref):
             plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
+            # The last P V of an item passes the turn at once, so that the
+            # other consumer's P V queues behind it and neither consumer's
+            # epilogue holds up the other.
+            pl.when(i + 1 == count)(lambda: common.pass_turn(wg))
             # Wait for the next K while the tensor cores work.
             @pl.when(i + 1 < count)
             def _():
@@ -212,9 +220,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         @pl.when(count > 0)
         def _():
           plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
-        # The consumers alternate on the tensor cores: each passes the turn
-        # after issuing Q K^T and waits for it before P V, over the CTA's
-        # whole stream of steps (see _consumer).
+        # The consumers alternate on the tensor cores: each waits for the
+        # turn before P V and passes it after the next Q K^T of the item,
+        # or after P V at the item's last step (see _consumer).
         if overlap_qk:
           acc, m, l = _overlapped_steps(
               acc, m, l, count=count, first_step=first_step, stages=stages,
@@ -258,17 +266,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         if prefetch_q:
           first_k, first_where = item_at(0)
           pl.when(first_k < items.num_items)(lambda: load_q(*first_where))
-        # Both consumers take the same items, so each makes one pass and
-        # one wait per step of the CTA's stream, alternately.  The second
-        # waits once before its first step and the first passes once after
-        # its last, so that every wait has its pass.  Per item instead, the
-        # first consumer's pass at the end of an item and its pass after
-        # the next item's first Q K^T could both arrive before the second
-        # consumer's wait: two arrivals complete the 256-thread barrier
-        # without it, and the consumers deadlock.
-        pl.when(wg == 1)(lambda: common.wait_turn(wg))
-        for_each_item(consume_item)
+        # Both consumers take the same items and, per step of an item,
+        # wait for the turn once and then pass it once.  The first passes
+        # once before its first item and the second waits once after its
+        # last, so that every wait has its pass and each consumer arrives
+        # and waits strictly alternately: a consumer's next arrival always
+        # follows the other's completed wait.  (Two arrivals of one
+        # consumer before the other's wait would complete the 256-thread
+        # barrier without it, and the consumers would deadlock.)
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
+        for_each_item(consume_item)
+        pl.when(wg == 1)(lambda: common.wait_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
       @pl.when(wg == 2)
@@ -359,13 +367,13 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
   product may still run), computes ``P_j`` and the new row maximum while
   ``P V`` finishes, then rescales ``O``.  A first step computes ``S_0``
   alone and a last one adds ``P V`` of the final tile.  Expects ``K_0``
-  waited for, and the turn taken as in the plain loop: each group of
-  products is issued after ``wait_turn`` (except the first, ``S_0``) and
-  followed by ``pass_turn`` (except the last, ``P V`` of the final tile),
-  so that over the items of a CTA each consumer passes and waits
-  alternately (the caller's one wait of the second consumer before its
-  first item and one pass of the first after its last balance them).
-  Returns ``(acc, m, l)`` as the plain loop does.
+  waited for, and the turn taken as in the plain loop: every group of
+  products but the first (``S_0``, issued outside a turn) is issued after
+  ``wait_turn`` and followed by ``pass_turn``, so that per item each
+  consumer waits and passes alternately, once per step (the caller's one
+  pass of the first consumer before its first item and one wait of the
+  second after its last balance them).  Returns ``(acc, m, l)`` as the
+  plain loop does.
   """
   def slot_of(i):
     return lax.rem(first_step + i, stages)
@@ -388,7 +396,6 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
 
     def qk_product(s_ref):
       plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
-      pass_turn()
       return s_ref[...]
     qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
     plgpu.barrier_arrive(k_free.at[slot_of(0)])
@@ -435,6 +442,7 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
     def pv_product(o_ref):
       wait_turn()
       plgpu.wgmma(o_ref, p, v_smem.at[slot])
+      pass_turn()
     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_free.at[slot])
     return acc, m, l, p
