@@ -231,7 +231,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
               wait_turn=lambda: common.wait_turn(wg),
               pass_turn=lambda: common.pass_turn(wg),
-              is_full=lambda i: class_ref[b, q_block, i, wg] == masks.FULL,
+              class_at=lambda i: class_ref[b, q_block, i, wg],
               kv_segments_at=kv_segments_at,
               masked=lambda s, i, kv_seg: masked(s, tile_at(i), kv_seg))
         else:
@@ -358,7 +358,7 @@ def _exponentials(qk: Array, m: Array, *, full, masked,
 def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
                       logits,
                       qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
-                      v_free, wait_turn, pass_turn, is_full, kv_segments_at,
+                      v_free, wait_turn, pass_turn, class_at, kv_segments_at,
                       masked):
   """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
 
@@ -378,10 +378,10 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
   def slot_of(i):
     return lax.rem(first_step + i, stages)
 
-  def update(qk, m, l, i, kv_seg):
+  def update(qk, m, l, i, step_class, kv_seg):
     """float32 probabilities, new maximum, rescale factor, new row sums."""
     p, m_new, rescale = _exponentials(
-        qk, m, full=is_full(i), logits=logits,
+        qk, m, full=step_class == masks.FULL, logits=logits,
         masked=lambda s: masked(s, i, kv_seg))
     return p, m_new, rescale, l * rescale + p.sum(axis=1)
 
@@ -390,23 +390,30 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
     def _():
       plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
 
+  def next_class(i):
+    # Step i + 1's tile class, loaded a step early so that its latency is
+    # not waited for between S_{i+1} and its softmax.
+    return class_at(jnp.minimum(i + 1, count - 1))
+
   def first(carry):
-    acc, m, l, p = carry
+    acc, m, l, p, step_class = carry
     kv_seg = kv_segments_at(slot_of(0))
+    following = next_class(0)
 
     def qk_product(s_ref):
       plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
       return s_ref[...]
     qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
     plgpu.barrier_arrive(k_free.at[slot_of(0)])
-    p, m, _, l = update(qk, m, l, 0, kv_seg)  # O is still zero
+    p, m, _, l = update(qk, m, l, 0, step_class, kv_seg)  # O is still zero
     wait_next_k(0)
-    return acc, m, l, p.astype(dtype)
+    return acc, m, l, p.astype(dtype), following
 
   def step(j, carry):
-    acc, m, l, p_prev = carry
+    acc, m, l, p_prev, step_class = carry
     slot, prev = slot_of(j), slot_of(j - 1)
     kv_seg = kv_segments_at(slot)
+    following = next_class(j)
     plgpu.barrier_wait(v_ready.at[prev])
 
     def products(refs):
@@ -419,7 +426,7 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
         pass_turn()
         qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, not P V
         plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, rescale, l_new = update(qk, m, l, j, kv_seg)
+        p, m_new, rescale, l_new = update(qk, m, l, j, step_class, kv_seg)
         p_ref[...], m_ref[...] = p, m_new
         l_ref[...], rescale_ref[...] = l_new, rescale
         wait_next_k(j)
@@ -432,10 +439,11 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
          plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA),
          m))
     plgpu.barrier_arrive(v_free.at[prev])
-    return acc * broadcast_rows(rescale, acc.shape), m, l, p.astype(dtype)
+    return (acc * broadcast_rows(rescale, acc.shape), m, l, p.astype(dtype),
+            following)
 
   def last(carry):
-    acc, m, l, p = carry
+    acc, m, l, p, step_class = carry
     slot = slot_of(count - 1)
     plgpu.barrier_wait(v_ready.at[slot])
 
@@ -445,11 +453,11 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
       pass_turn()
     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_free.at[slot])
-    return acc, m, l, p
+    return acc, m, l, p, step_class
 
   p = plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA)
-  carry = (acc, m, l, p)
+  carry = (acc, m, l, p, class_at(0))
   carry = lax.cond(count > 0, first, lambda c: c, carry)
   carry = lax.fori_loop(1, count, step, carry)
-  acc, m, l, _ = lax.cond(count > 0, last, lambda c: c, carry)
+  acc, m, l, _, _ = lax.cond(count > 0, last, lambda c: c, carry)
   return acc, m, l
