@@ -174,6 +174,28 @@ class QueryRing:
       return acc_ref[...]
     return pl.run_scoped(product, plgpu.ACC(tile, jnp.float32))
 
+  def dv_first_products(self, slot, p: Array, derivative: Array,
+                        delta: Array, *, v_smem, tile: tuple[int, int], dtype,
+                        dv: Array, dk: Array, ds_sink=None
+                        ) -> tuple[Array, Array]:
+    """The products of a step with a soft cap, dV's first: ``dV += P^T
+    dO`` is issued, the cap's derivative folded into ``P`` while it runs
+    (only ``dS`` reads the product), then ``dP^T = V dO^T``, ``dS`` and
+    ``dK += dS Q``.  ``P`` and the derivative are thus never both live
+    next to ``dP``'s tile.  ``ds_sink(ds)``, if given, receives ``dS`` in
+    ``dtype`` before dK's product is issued.  dO and Q must have been
+    waited for.  Returns the new ``(dv, dk)``."""
+    def products(refs):
+      dv_ref, dk_ref = refs
+      plgpu.wgmma(dv_ref, p.astype(dtype), self.do.at[slot])
+      p_scaled = p * derivative
+      dp = self.dp_product(slot, v_smem=v_smem, tile=tile)
+      ds = _score_gradient(p_scaled, dp, delta, None).astype(dtype)
+      if ds_sink is not None:
+        ds_sink(ds)
+      plgpu.wgmma(dk_ref, ds, self.q.at[slot])
+    return pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+
   def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
              logits: LogitTransform, full, mask, want_dp: bool,
              together: bool = False):
@@ -360,7 +382,22 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
 
-          if want_dv and want_dk:
+          if want_dv and want_dk and logits.soft_cap is not None and not (
+              overlap_sdp):
+            # With a soft cap, dV's product goes first: the cap's
+            # derivative is folded into P while the tensor cores compute
+            # dV, so that P and the derivative are no longer both live
+            # next to dP's tile (offline ptxas at head dim 128: 136 bytes
+            # of spill stores with dP first).
+            p, derivative = ring.probabilities(
+                slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
+                mask=mask)
+            delta = ring.delta(slot, tile)
+            plgpu.barrier_wait(ring.do_ready.at[slot])
+            dv, dk = ring.dv_first_products(
+                slot, p, derivative, delta, v_smem=v_smem, tile=tile,
+                dtype=dtype, dv=dv, dk=dk)
+          elif want_dv and want_dk:
             p, derivative, dp, delta = ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
                 full=full, mask=mask, want_dp=True, together=overlap_sdp)

@@ -192,6 +192,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               return acc_ref[...]
             qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
             p, derivative = _probabilities(qk, logits, full, masked, lse2)
+            if derivative is not None:
+              # Only dS reads P here: fold the soft cap's derivative in
+              # before dP's tile becomes live (offline ptxas: 96 bytes of
+              # spill stores at head dim 64 otherwise).
+              p, derivative = p * derivative, None
             if not dp_first:
               dp = dp_then_free_v()
           ds = _score_gradient(p, dp, delta, derivative)

@@ -182,24 +182,41 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
-          p, derivative, dp, delta = ring.scores(
-              slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-              full=full, mask=mask, want_dp=True, together=overlap_sdp)
-          ds = _score_gradient(p, dp, delta, derivative)
+          def wait_ds_slot():
+            # The dS slot is free once the dQ product of step i - 2 read it.
+            @pl.when(i >= 2)
+            def _():
+              plgpu.barrier_wait(ds_free.at[turn])
 
-          # The dS slot is free once the dQ product of step i - 2 read it.
-          @pl.when(i >= 2)
-          def _():
-            plgpu.barrier_wait(ds_free.at[turn])
-
-          def dv_dk_products(refs):
-            dv_ref, dk_ref = refs
-            plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
-            ds_low = ds.astype(dtype)
+          def stage_ds(ds_low):
             ds_smem.at[turn, wg][...] = ds_low
-            plgpu.wgmma(dk_ref, ds_low, ring.q.at[slot])
-          dv, dk = pl.run_state(dv_dk_products)(
-              (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+
+          if logits.soft_cap is not None and not overlap_sdp:
+            # dV's product first, as in the two-pass dK/dV kernel.
+            p, derivative = ring.probabilities(
+                slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
+                mask=mask)
+            delta = ring.delta(slot, tile)
+            plgpu.barrier_wait(ring.do_ready.at[slot])
+            wait_ds_slot()
+            dv, dk = ring.dv_first_products(
+                slot, p, derivative, delta, v_smem=v_smem, tile=tile,
+                dtype=dtype, dv=dv, dk=dk, ds_sink=stage_ds)
+          else:
+            p, derivative, dp, delta = ring.scores(
+                slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
+                full=full, mask=mask, want_dp=True, together=overlap_sdp)
+            ds = _score_gradient(p, dp, delta, derivative)
+            wait_ds_slot()
+
+            def dv_dk_products(refs):
+              dv_ref, dk_ref = refs
+              plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
+              ds_low = ds.astype(dtype)
+              stage_ds(ds_low)
+              plgpu.wgmma(dk_ref, ds_low, ring.q.at[slot])
+            dv, dk = pl.run_state(dv_dk_products)(
+                (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           plgpu.commit_smem()
           plgpu.barrier_arrive(ds_ready.at[turn])
           plgpu.barrier_arrive(ring.do_free.at[slot])
