@@ -33,6 +33,13 @@ warpgroups, as in FlashAttention-3's backward:
   later, so that adds overlap).  Three warpgroups rather than four leave
   the consumers the same registers as in the two-pass kernels.
 
+Where shared memory allows (head dims up to 128 without segment ids at the
+default tiles), each consumer stages its contributions in its own buffer,
+and waits only for the writer to have read its previous one, two steps
+earlier; the other consumer does not wait at all.  With one buffer both
+consumers wait every step for the writer to have read the previous step's
+contribution, which ties them to the writer's semaphore wait and copy.
+
 Ordering needs CTAs to start in grid order (key block ``j`` after every
 block before it, for the same batch row and head), which is how Hopper
 dispatches a grid; a CTA only ever waits for CTAs that started before it.
@@ -112,6 +119,14 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
   tile = (block_kv, block_q)  # transposed: keys are the rows here
   names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
+  # One dQ staging buffer per consumer where they fit (step i's
+  # contribution comes from consumer i % 2), else one for both.
+  stagings = 2 if _fused_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, spec.has_segments,
+      stagings=2) <= common.SMEM_LIMIT_BYTES else 1
+
+  def staging_of(i):
+    return lax.rem(i, 2) if stagings == 2 else 0
 
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
              class_ref, rank_ref, *rest):
@@ -222,11 +237,12 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           plgpu.barrier_arrive(ring.do_free.at[slot])
           plgpu.barrier_arrive(ring.q_free.at[slot])
 
-          # Both consumers wait for the writer to release the staging
-          # buffer, so that each sees every phase of the barrier.
-          @pl.when(i >= 1)
-          def _():
-            plgpu.barrier_wait(dq_free)
+          if stagings == 1:
+            # Both consumers wait for the writer to release the staging
+            # buffer, so that each sees every phase of the barrier.
+            @pl.when(i >= 1)
+            def _():
+              plgpu.barrier_wait(dq_free.at[0])
 
           @pl.when(wg == turn)
           def _dq_contribution():
@@ -240,9 +256,16 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             contribution = pl.run_scoped(
                 dq_product, plgpu.ACC((block_q, head_dim), jnp.float32))
             plgpu.barrier_arrive(ds_free.at[turn])
-            dq_smem[...] = contribution
+            staging = staging_of(i)
+            if stagings == 2:
+              # This consumer's own buffer, last filled two steps ago: only
+              # it waits for the writer to have read it.
+              @pl.when(i >= 2)
+              def _():
+                plgpu.barrier_wait(dq_free.at[staging])
+            dq_smem.at[staging][...] = contribution
             plgpu.commit_smem()
-            plgpu.barrier_arrive(dq_ready)
+            plgpu.barrier_arrive(dq_ready.at[staging])
           return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
@@ -278,21 +301,23 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           head, q_tile = head_and_tile(i)
           rank = rank_ref[b, kv_block, lax.rem(i, count)]
           target = dq_ref.at[acc_row, pl.ds(q_tile * block_q, block_q), head]
-          plgpu.barrier_wait(dq_ready)
+          staging = staging_of(i)
+          plgpu.barrier_wait(dq_ready.at[staging])
           plgpu.semaphore_wait(turn_of(i), rank, decrement=False,
                                memory_scope="gpu")
 
           @pl.when(rank == 0)
           def _():
-            plgpu.copy_smem_to_gmem(dq_smem, target)
+            plgpu.copy_smem_to_gmem(dq_smem.at[staging], target)
 
           @pl.when(rank > 0)
           def _():
-            plgpu.copy_smem_to_gmem(dq_smem, target, reduction_op="add")
+            plgpu.copy_smem_to_gmem(dq_smem.at[staging], target,
+                                    reduction_op="add")
           # The staging buffer is free once read; the consumers go on while
           # the add travels to global memory.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          plgpu.barrier_arrive(dq_free)
+          plgpu.barrier_arrive(dq_free.at[staging])
 
           # The previous step's add is complete once at most this one is in
           # flight: only then may the next key block add to its tile.
@@ -329,12 +354,12 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         plgpu.Barrier(num_barriers=6),
         *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
         common.smem_tile((2, 2, block_kv, block_q), dtype),
-        plgpu.SMEM((block_q, head_dim), jnp.float32,
+        plgpu.SMEM((stagings, block_q, head_dim), jnp.float32,
                    transforms=(common.F32_TILING, common.SWIZZLE)),
         plgpu.Barrier(num_arrivals=2, num_barriers=2),
         plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(),
-        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=stagings),
+        plgpu.Barrier(num_barriers=stagings),
         collective_axes="wg",
     )
 
@@ -350,3 +375,25 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       kernel_name="jflash_fused_backward",
       compiler_params=common.COMPILER_PARAMS,
   )(q, k, v, do, stats, q_order, q_count, classes, ranks, *extras)
+
+
+def _fused_smem_bytes(block_q: int, block_kv: int, stages: int,
+                      head_dim: int, dtype, segments: bool, *,
+                      stagings: int) -> int:
+  """Shared memory the fused backward's buffers take (barriers excluded),
+  each allocation rounded up to the 1 KiB that swizzled tiles align to
+  (small ones, such as segment ids, otherwise leave gaps that a plain sum
+  misses)."""
+  size = jnp.dtype(dtype).itemsize
+  buffers = [
+      2 * block_kv * head_dim * size,  # K of both consumers
+      2 * block_kv * head_dim * size,  # V
+      2 * block_kv * 4 if segments else 0,  # their segment ids
+      stages * block_q * head_dim * size,  # the query ring: Q
+      stages * block_q * head_dim * size,  # dO
+      stages * 2 * block_q * 4,  # the row statistics
+      stages * block_q * 4 if segments else 0,  # query segment ids
+      2 * 2 * block_kv * block_q * size,  # dS tiles
+      stagings * block_q * head_dim * 4,  # dQ staging
+  ]
+  return sum(-(-n // 1024) * 1024 for n in buffers)
