@@ -161,12 +161,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return broadcast_cols(
               plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
+        def step_info(i):
+          """Step ``i``'s tile class and key tile, read a step early so
+          that their loads' latency is not waited for before the step's
+          softmax (the tile only matters to a masked step)."""
+          i = jnp.maximum(jnp.minimum(i, count - 1), 0)  # in bounds
+          return class_ref[b, q_block, i, wg], tile_at(i)
+
         def step(i, carry):
-          acc, m, l, step_class = carry
-          # The next step's class, read a step early, so that its load's
-          # latency is not waited for before this step's last Q K^T issue.
-          next_class = class_ref[b, q_block, jnp.minimum(i + 1, count - 1),
-                                 wg]
+          acc, m, l, (step_class, kv_tile) = carry
+          following = step_info(i + 1)
           slot = lax.rem(first_step + i, stages)
           full = step_class == masks.FULL
           # K of this step was waited for during the previous step's P V.
@@ -182,7 +186,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           plgpu.barrier_arrive(k_free.at[slot])
           p, m_new, rescale = _exponentials(
               qk, m, full=full, logits=logits,
-              masked=lambda s: masked(s, tile_at(i), kv_seg))
+              masked=lambda s: masked(s, kv_tile, kv_seg))
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
           p_low = p.astype(dtype)
@@ -210,7 +214,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                   k_ready.at[lax.rem(first_step + i + 1, stages)])
           acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l, next_class
+          return acc, m_new, l, following
 
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -231,12 +235,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
               wait_turn=lambda: common.wait_turn(wg),
               pass_turn=lambda: common.pass_turn(wg),
-              class_at=lambda i: class_ref[b, q_block, i, wg],
-              kv_segments_at=kv_segments_at,
-              masked=lambda s, i, kv_seg: masked(s, tile_at(i), kv_seg))
+              step_info=step_info, kv_segments_at=kv_segments_at,
+              masked=masked)
         else:
           acc, m, l, _ = lax.fori_loop(
-              0, count, step, (acc, m, l, class_ref[b, q_block, 0, wg]))
+              0, count, step, (acc, m, l, step_info(0)))
 
         if prefetch_q:
           # Every Q K^T of this item has completed: the next item's Q may
@@ -358,8 +361,8 @@ def _exponentials(qk: Array, m: Array, *, full, masked,
 def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
                       logits,
                       qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
-                      v_free, wait_turn, pass_turn, class_at, kv_segments_at,
-                      masked):
+                      v_free, wait_turn, pass_turn, step_info,
+                      kv_segments_at, masked):
   """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
 
   Step ``j`` waits for its turn, issues ``S_j = Q K_j^T`` and then ``O +=
@@ -372,17 +375,20 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
   ``wait_turn`` and followed by ``pass_turn``, so that per item each
   consumer waits and passes alternately, once per step (the caller's one
   pass of the first consumer before its first item and one wait of the
-  second after its last balance them).  Returns ``(acc, m, l)`` as the
-  plain loop does.
+  second after its last balance them).  ``step_info(i)`` gives step
+  ``i``'s tile class and key tile (``i`` clamped to the steps), read a
+  step ahead; ``masked(s, kv_tile, kv_seg)`` masks a partial tile.
+  Returns ``(acc, m, l)`` as the plain loop does.
   """
   def slot_of(i):
     return lax.rem(first_step + i, stages)
 
-  def update(qk, m, l, i, step_class, kv_seg):
+  def update(qk, m, l, info, kv_seg):
     """float32 probabilities, new maximum, rescale factor, new row sums."""
+    step_class, kv_tile = info
     p, m_new, rescale = _exponentials(
         qk, m, full=step_class == masks.FULL, logits=logits,
-        masked=lambda s: masked(s, i, kv_seg))
+        masked=lambda s: masked(s, kv_tile, kv_seg))
     return p, m_new, rescale, l * rescale + p.sum(axis=1)
 
   def wait_next_k(i):
@@ -390,30 +396,25 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
     def _():
       plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
 
-  def next_class(i):
-    # Step i + 1's tile class, loaded a step early so that its latency is
-    # not waited for between S_{i+1} and its softmax.
-    return class_at(jnp.minimum(i + 1, count - 1))
-
   def first(carry):
-    acc, m, l, p, step_class = carry
+    acc, m, l, p, info = carry
     kv_seg = kv_segments_at(slot_of(0))
-    following = next_class(0)
+    following = step_info(1)
 
     def qk_product(s_ref):
       plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
       return s_ref[...]
     qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
     plgpu.barrier_arrive(k_free.at[slot_of(0)])
-    p, m, _, l = update(qk, m, l, 0, step_class, kv_seg)  # O is still zero
+    p, m, _, l = update(qk, m, l, info, kv_seg)  # O is still zero
     wait_next_k(0)
     return acc, m, l, p.astype(dtype), following
 
   def step(j, carry):
-    acc, m, l, p_prev, step_class = carry
+    acc, m, l, p_prev, info = carry
     slot, prev = slot_of(j), slot_of(j - 1)
     kv_seg = kv_segments_at(slot)
-    following = next_class(j)
+    following = step_info(j + 1)
     plgpu.barrier_wait(v_ready.at[prev])
 
     def products(refs):
@@ -426,7 +427,7 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
         pass_turn()
         qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, not P V
         plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, rescale, l_new = update(qk, m, l, j, step_class, kv_seg)
+        p, m_new, rescale, l_new = update(qk, m, l, info, kv_seg)
         p_ref[...], m_ref[...] = p, m_new
         l_ref[...], rescale_ref[...] = l_new, rescale
         wait_next_k(j)
@@ -443,7 +444,7 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
             following)
 
   def last(carry):
-    acc, m, l, p, step_class = carry
+    acc, m, l, p, info = carry
     slot = slot_of(count - 1)
     plgpu.barrier_wait(v_ready.at[slot])
 
@@ -453,10 +454,10 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
       pass_turn()
     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_free.at[slot])
-    return acc, m, l, p, step_class
+    return acc, m, l, p, info
 
   p = plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA)
-  carry = (acc, m, l, p, class_at(0))
+  carry = (acc, m, l, p, step_info(0))
   carry = lax.cond(count > 0, first, lambda c: c, carry)
   carry = lax.fori_loop(1, count, step, carry)
   acc, m, l, _, _ = lax.cond(count > 0, last, lambda c: c, carry)
