@@ -129,13 +129,16 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         delta = broadcast_rows(
             plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
 
+        def step_info(i):
+          """Step ``i``'s tile class and key tile, read a step early: the
+          class's load would otherwise stall the step's start (the slot
+          below depends on it), the tile's a masked step's softmax."""
+          i = jnp.maximum(jnp.minimum(i, count - 1), 0)  # in bounds
+          return class_ref[b, q_block, i, wg], tile_at(i)
+
         def step(i, carry):
-          dq, step_class = carry
-          # The next step's class, read a step early: its load's latency
-          # would otherwise stall the step's start (the slot below depends
-          # on it).
-          next_class = class_ref[b, q_block, jnp.minimum(i + 1, count - 1),
-                                 wg]
+          dq, (step_class, kv_tile) = carry
+          following = step_info(i + 1)
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(first_step + i, stages) + zero
@@ -162,7 +165,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
           def masked(s):
             return spec.mask_tile(s, row_start=q_base + zero,
-                                  col_tile=tile_at(i),
+                                  col_tile=kv_tile,
                                   col_block=block_kv, rows_are_queries=True,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
@@ -205,12 +208,11 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
           dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
           plgpu.barrier_arrive(k_free.at[slot])
-          return dq, next_class
+          return dq, following
 
         dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
                                plgpu.Layout.WGMMA)
-        dq, _ = lax.fori_loop(0, count, step,
-                              (dq, class_ref[b, q_block, 0, wg]))
+        dq, _ = lax.fori_loop(0, count, step, (dq, step_info(0)))
         if separate_output:
           # Q, dO and the statistics are no longer read: the next item's
           # take their buffers while this dQ is written.
