@@ -220,6 +220,14 @@ class QueryRing:
 QUERY_RING_REFS = len(dataclasses.fields(QueryRing))
 
 
+def query_ring_bytes(stages: int, block_q: int, head_dim: int, dtype,
+                     segments: bool) -> tuple[int, ...]:
+  """Sizes of :func:`query_ring_scratch`'s shared-memory buffers."""
+  tiles = stages * block_q * head_dim * jnp.dtype(dtype).itemsize
+  return (tiles, tiles, stages * 2 * block_q * 4,
+          stages * block_q * 4 if segments else 0)
+
+
 def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
                        segments: bool) -> list:
   """Scratch for :class:`QueryRing`, in its field order."""
@@ -547,11 +555,10 @@ def _dkv_smem_bytes(key_buffers: int, block_q: int, block_kv: int,
                     stages: int, head_dim: int, dtype, segments: bool,
                     split_outputs: bool, *, separate_outputs: bool) -> int:
   """Shared memory the dK/dV kernel's buffers take (barriers excluded)."""
-  size = jnp.dtype(dtype).itemsize
-  keys = key_buffers * block_kv * head_dim * size * (
-      4 if separate_outputs else 2)
-  ring = stages * (2 * block_q * head_dim * size + 2 * block_q * 4
-                   + (block_q * 4 if segments else 0))
-  key_segments = key_buffers * block_kv * 4 if segments else 0
-  handover = block_kv * block_q * 4 if split_outputs else 0
-  return keys + ring + key_segments + handover
+  keys = key_buffers * block_kv * head_dim * jnp.dtype(dtype).itemsize
+  return common.smem_bytes(
+      keys, keys,  # K, V
+      keys if separate_outputs else 0, keys if separate_outputs else 0,
+      key_buffers * block_kv * 4 if segments else 0,  # key segment ids
+      *query_ring_bytes(stages, block_q, head_dim, dtype, segments),
+      block_kv * block_q * 4 if split_outputs else 0)  # P^T handover

@@ -285,8 +285,11 @@ def _dq_smem_bytes(block_q: int, block_kv: int, stages: int, head_dim: int,
                    dtype, segments: bool, *, separate_output: bool) -> int:
   """Shared memory the dQ kernel's buffers take (barriers excluded)."""
   size = jnp.dtype(dtype).itemsize
-  rows = 2 * block_q * head_dim * size * (3 if separate_output else 2)
-  stats = 2 * 2 * block_q * 4 + (2 * block_q * 4 if segments else 0)
-  ring = stages * (2 * block_kv * head_dim * size
-                   + (block_kv * 4 if segments else 0))
-  return rows + stats + ring
+  rows = 2 * block_q * head_dim * size
+  ring = stages * block_kv * head_dim * size
+  return common.smem_bytes(
+      rows, rows, rows if separate_output else 0,  # Q, dO, and dQ apart
+      2 * 2 * block_q * 4,  # row statistics
+      2 * block_q * 4 if segments else 0,  # query segment ids
+      ring, ring,  # K, V
+      stages * block_kv * 4 if segments else 0)  # key segment ids

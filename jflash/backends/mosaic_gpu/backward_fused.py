@@ -64,6 +64,7 @@ from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.backward import (QUERY_RING_REFS, QueryRing,
                                                  _optional,
                                                  _score_gradient,
+                                                 query_ring_bytes,
                                                  query_ring_scratch)
 from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
                                                broadcast_rows)
@@ -380,20 +381,12 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
 def _fused_smem_bytes(block_q: int, block_kv: int, stages: int,
                       head_dim: int, dtype, segments: bool, *,
                       stagings: int) -> int:
-  """Shared memory the fused backward's buffers take (barriers excluded),
-  each allocation rounded up to the 1 KiB that swizzled tiles align to
-  (small ones, such as segment ids, otherwise leave gaps that a plain sum
-  misses)."""
+  """Shared memory the fused backward's buffers take (barriers excluded)."""
   size = jnp.dtype(dtype).itemsize
-  buffers = [
-      2 * block_kv * head_dim * size,  # K of both consumers
-      2 * block_kv * head_dim * size,  # V
-      2 * block_kv * 4 if segments else 0,  # their segment ids
-      stages * block_q * head_dim * size,  # the query ring: Q
-      stages * block_q * head_dim * size,  # dO
-      stages * 2 * block_q * 4,  # the row statistics
-      stages * block_q * 4 if segments else 0,  # query segment ids
+  keys = 2 * block_kv * head_dim * size  # of both consumers
+  return common.smem_bytes(
+      keys, keys,  # K, V
+      2 * block_kv * 4 if segments else 0,  # key segment ids
+      *query_ring_bytes(stages, block_q, head_dim, dtype, segments),
       2 * 2 * block_kv * block_q * size,  # dS tiles
-      stagings * block_q * head_dim * 4,  # dQ staging
-  ]
-  return sum(-(-n // 1024) * 1024 for n in buffers)
+      stagings * block_q * head_dim * 4)  # dQ staging

@@ -35,6 +35,13 @@ PRODUCER_REGISTERS = 40
 # and alignment, for kernels that choose their buffers by size.
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 
+
+def smem_bytes(*buffers: int) -> int:
+  """Shared memory that buffers of these sizes take (barriers excluded),
+  each rounded up to the 1 KiB that swizzled tiles align to: small
+  buffers, such as segment ids, leave gaps that a plain sum misses."""
+  return sum(-(-n // 1024) * 1024 for n in buffers)
+
 # Row reductions of WGMMA-layout tiles stay inside a warp (a row lives in
 # four threads of one quad), so the kernels need no shared-memory scratch
 # for cross-warp reductions; its default 2 KiB is left to the tiles.

@@ -334,10 +334,14 @@ def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
                         separate_output: bool) -> int:
   """Shared memory the forward's buffers take (barriers excluded)."""
   size = jnp.dtype(dtype).itemsize
-  tiles = (2 * block_q * head_dim * (2 if separate_output else 1)
-           + 2 * stages * block_kv * head_dim) * size
-  rows = 2 * block_q * 4 * (2 if segments else 1)  # logsumexp, q segments
-  return tiles + rows + (stages * block_kv * 4 if segments else 0)
+  q_tiles = 2 * block_q * head_dim * size
+  ring = stages * block_kv * head_dim * size
+  return common.smem_bytes(
+      q_tiles, q_tiles if separate_output else 0,  # Q, and O apart
+      ring, ring,  # K, V
+      2 * block_q * 4,  # logsumexp
+      2 * block_q * 4 if segments else 0,  # query segment ids
+      stages * block_kv * 4 if segments else 0)  # key segment ids
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
