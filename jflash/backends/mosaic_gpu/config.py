@@ -202,11 +202,13 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 # Feature rules, per padded head dim: key tiles narrowed so that the
-# kernels keep their tiles in registers.  A soft cap keeps its derivative
-# tile live through the dQ step, which spills at a 128-key dQ tile
+# kernels keep their tiles in registers.  A soft cap kept its derivative
+# tile live through the dQ step, which spilled at a 128-key dQ tile
 # (offline ptxas: 256 bytes at head dim 128, 96 at 64) and not at 64; on
 # an H200 the 64-key tile gained 5% fwd+bwd at head dim 128 and lost 1% at
-# 64, which keeps 128.  Segment ids of a 256-key forward tile take 64
+# 64, which keeps 128.  The dQ pass now folds the derivative into P before
+# dP, and a 128-key tile no longer spills at head dim 128 (offline); the
+# rule stays until the wider tile is timed against it.  Segment ids of a 256-key forward tile take 64
 # registers per thread, spilling 292 bytes at head dim 64 (128-key tiles:
 # +12% forward there).
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
