@@ -154,14 +154,19 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.barrier_arrive(v_free.at[slot])
             return dp
 
+          # Key segment ids ride with the first stream (V when dP comes
+          # first, else K): read them before that slot is released, or the
+          # producer may overwrite them with the next round's.
+          kv_seg_cols = None
+          if kv_seg_ref is not None:
+            plgpu.barrier_wait(kvseg_ready.at[slot])
+            kv_seg_cols = plgpu.load(kvseg_smem.at[slot], layout=_COL)
           if dp_first:
             dp = dp_then_free_v()
           plgpu.barrier_wait(k_ready.at[slot])
           kv_seg = None
-          if kv_seg_ref is not None:
-            plgpu.barrier_wait(kvseg_ready.at[slot])
-            kv_seg = broadcast_cols(
-                plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+          if kv_seg_cols is not None:
+            kv_seg = broadcast_cols(kv_seg_cols, tile)
 
           def masked(s):
             return spec.mask_tile(s, row_start=q_base + zero,
