@@ -168,24 +168,28 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           i = jnp.maximum(jnp.minimum(i, count - 1), 0)  # in bounds
           return class_ref[b, q_block, i, wg], tile_at(i)
 
-        def step(i, carry):
-          acc, m, l, (step_class, kv_tile) = carry
-          following = step_info(i + 1)
-          slot = lax.rem(first_step + i, stages)
-          full = step_class == masks.FULL
-          # K of this step was waited for during the previous step's P V.
-          kv_seg = kv_segments_at(slot)
+        def slot_of(i):
+          return lax.rem(first_step + i, stages)
 
-          def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            # An item's first Q K^T is issued outside a turn: the previous
-            # item's last P V passed it (see _consumer).
-            pl.when(i > 0)(lambda: common.pass_turn(wg))
-            return acc_ref[...]
+        def first_scores():
+          """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
+          last ``P V`` passed it (see _consumer)."""
+          def qk_product(s_ref):
+            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
+            return s_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot_of(0)])
+          return qk
+
+        def softmax_and_turn(qk, acc, m, l, info, i):
+          """Step ``i``'s online softmax of ``S_i``; then waits for ``V_i``
+          and for the turn.  Returns the rescaled ``O``, the new maximum and
+          sums, and ``P_i`` in the input dtype."""
+          step_class, kv_tile = info
+          slot = slot_of(i)
+          kv_seg = kv_segments_at(slot)
           p, m_new, rescale = _exponentials(
-              qk, m, full=full, logits=logits,
+              qk, m, full=step_class == masks.FULL, logits=logits,
               masked=lambda s: masked(s, kv_tile, kv_seg))
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
@@ -200,21 +204,48 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             plgpu.barrier_wait(v_ready.at[slot])
             common.wait_turn(wg)
             l = l + p.sum(axis=1)
+          return acc, m_new, l, p_low
 
-          def pv_product(acc_ref):
-            plgpu.wgmma(acc_ref, p_low, v_smem.at[slot])
-            # The last P V of an item passes the turn at once, so that the
-            # other consumer's P V queues behind it and neither consumer's
-            # epilogue holds up the other.
-            pl.when(i + 1 == count)(lambda: common.pass_turn(wg))
-            # Wait for the next K while the tensor cores work.
-            @pl.when(i + 1 < count)
-            def _():
-              plgpu.barrier_wait(
-                  k_ready.at[lax.rem(first_step + i + 1, stages)])
+        def step(i, carry):
+          """A step before the item's last: within one turn ``O += P_i V_i``
+          and then ``S_{i+1} = Q K_{i+1}^T`` are issued back to back, so
+          that the tensor cores run the second while this consumer would
+          otherwise wait for the first; both are waited for together
+          (they complete in order)."""
+          acc, m, l, qk, info = carry
+          following = step_info(i + 1)
+          slot, after = slot_of(i), slot_of(i + 1)
+          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
+
+          def products(refs):
+            o_ref, qk_ref = refs
+
+            def with_scores(s_ref):
+              plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+              plgpu.barrier_wait(k_ready.at[after])
+              plgpu.wgmma(s_ref, qo_smem, k_smem.at[after].transpose((1, 0)))
+              common.pass_turn(wg)
+              qk_ref[...] = s_ref[...]
+            pl.run_scoped(with_scores, plgpu.ACC(tile, jnp.float32))
+          acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
+          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(k_free.at[after])
+          return acc, m, l, qk, following
+
+        def last_step(carry):
+          """The item's last step: ``O += P V`` alone, and the turn passed
+          at once, so that the other consumer's products queue behind it
+          and neither consumer's epilogue holds up the other."""
+          acc, m, l, qk, info = carry
+          slot = slot_of(count - 1)
+          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
+
+          def pv_product(o_ref):
+            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+            common.pass_turn(wg)
           acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l, following
+          return acc, m, l, qk, info
 
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -238,8 +269,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               step_info=step_info, kv_segments_at=kv_segments_at,
               masked=masked)
         else:
-          acc, m, l, _ = lax.fori_loop(
-              0, count, step, (acc, m, l, step_info(0)))
+          zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+          qk = lax.cond(count > 0, first_scores, lambda: zeros)
+          carry = lax.fori_loop(0, count - 1, step,
+                                (acc, m, l, qk, step_info(0)))
+          acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
+                                     carry)
 
         if prefetch_q:
           # Every Q K^T of this item has completed: the next item's Q may
