@@ -4,7 +4,7 @@ the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 The search starts from the current tuned table (``tuned_config``, before
 the measured rules of ``default_config``) and changes one group of fields
 at a time: the forward tiling (block_q, block_kv, stages), then the
-``overlap_qk`` switch, timing the forward alone; then the backward's groups
+forward's loop (``qk_after_pv``, ``overlap_qk``), timing the forward alone; then the backward's groups
 (dQ tiles, dK/dV tiles, ring depths, ``fuse_dq`` where the head dim allows
 it), timing forward+backward.
 
@@ -81,8 +81,12 @@ def forward_candidates(head_dim: int) -> list[MosaicGpuConfig]:
 
 
 def forward_switches() -> list[dict]:
-  """Tried on the best forward tiling: the intra-warpgroup overlap."""
-  return [dict(overlap_qk=False), dict(overlap_qk=True)]
+  """Tried on the best forward tiling: the plain loop with ``Q K^T``
+  issued after ``P V`` has finished or right behind it, and the
+  intra-warpgroup overlap (which leaves the plain loop's switch unread)."""
+  return [dict(overlap_qk=False, qk_after_pv=False),
+          dict(overlap_qk=False, qk_after_pv=True),
+          dict(overlap_qk=True, qk_after_pv=None)]
 
 
 def backward_groups(head_dim: int) -> list[list[dict]]:

@@ -46,11 +46,26 @@ def _cuda_lowering(run, q, kv) -> str:
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
                                          ("overlap_qk", "yes"),
+                                         ("qk_after_pv", 1),
                                          ("block_q_dq", 64.0),
                                          ("dq_slots", 0), ("dq_slots", 2.0)])
 def test_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=f"MosaicGpuConfig.{field}"):
     MosaicGpuConfig(**{field: value})
+
+
+def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
+  """qk_after_pv sets the forward's plain loop: a value other than the
+  default with overlap_qk=True would be dropped, so it is refused; either
+  value is kept without overlap_qk, and the default is on."""
+  with pytest.raises(ValueError,
+                     match="MosaicGpuConfig.qk_after_pv=False.*overlap_qk"):
+    MosaicGpuConfig(overlap_qk=True, qk_after_pv=False).resolved(128)
+  assert MosaicGpuConfig(overlap_qk=True).resolved(128).overlap_qk
+  for value in (False, True):
+    assert MosaicGpuConfig(qk_after_pv=value).resolved(64).qk_after_pv \
+        == value
+  assert all(mosaic_gpu.default_config(h).qk_after_pv for h in (64, 128, 256))
 
 
 def test_fused_backward_rejects_head_dim_256():
@@ -441,12 +456,14 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
+                                     dict(qk_after_pv=False),
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
                                      dict(overlap_sdp=True),
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
-                         ids=["default", "overlap_qk", "fuse_dq",
+                         ids=["default", "overlap_qk", "qk_waits_for_pv",
+                              "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
                               "plain_sdp", "fuse_dq_overlap_sdp"])
 @pytest.mark.parametrize("head_dim,features", [

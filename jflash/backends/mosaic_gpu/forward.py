@@ -50,7 +50,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
-                        overlap_qk: bool = False) -> tuple[Array, Array]:
+                        overlap_qk: bool = False,
+                        qk_after_pv: bool = True) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -72,6 +73,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       step's ``P V``, so that a consumer's softmax also overlaps its own
       ``P V`` (FlashAttention-3's intra-warpgroup pipelining; see
       :func:`_overlapped_steps`).
+    qk_after_pv: without ``overlap_qk``, issue each step's next ``Q K^T``
+      right behind its ``P V`` within the turn and wait for both together,
+      instead of after ``P V`` has finished.
 
   Returns:
     ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
@@ -247,6 +251,38 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m, l, qk, info
 
+        def waiting_step(i, carry):
+          """A step of the loop without ``qk_after_pv``: ``Q K^T`` is issued
+          once the previous step's ``P V`` has finished, and the turn passed
+          after it."""
+          acc, m, l, info = carry
+          following = step_info(i + 1)
+          slot = slot_of(i)
+
+          def qk_product(s_ref):
+            # K of this step was waited for during the previous step's P V.
+            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            # An item's first Q K^T is issued outside a turn: the previous
+            # item's last P V passed it (see _consumer).
+            pl.when(i > 0)(lambda: common.pass_turn(wg))
+            return s_ref[...]
+          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
+
+          def pv_product(o_ref):
+            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+            # The last P V of an item passes the turn at once (as in
+            # last_step).
+            pl.when(i + 1 == count)(lambda: common.pass_turn(wg))
+            # Wait for the next K while the tensor cores work.
+            @pl.when(i + 1 < count)
+            def _():
+              plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m, l, following
+
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
@@ -268,6 +304,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               pass_turn=lambda: common.pass_turn(wg),
               step_info=step_info, kv_segments_at=kv_segments_at,
               masked=masked)
+        elif not qk_after_pv:
+          acc, m, l, _ = lax.fori_loop(
+              0, count, waiting_step, (acc, m, l, step_info(0)))
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
