@@ -3,7 +3,8 @@ forward and backward once per head dim (64, 128, 256) on a small shape,
 causal unless ``--mask`` names another mask (none, segments, window,
 softcap), with ``MOSAIC_GPU_DUMP_PTXAS=1`` and prints, per kernel, the ``Used
 ... registers`` line, the stack/spill line and any ptxas warning (such as
-C7513, ``wgmma`` serialized).
+C7513, ``wgmma`` serialized) or performance note (C7512, ``wgmma``
+serialized for want of registers).
 
 On a Hopper GPU (``PYTHONPATH`` picks the tree)::
 
@@ -118,7 +119,7 @@ def summarize(text: str) -> list[str]:
         continue
     low = line.lower()
     if ("spill" in low or "used" in low and "registers" in low
-        or "ptxas warning" in low):
+        or "ptxas warning" in low or "performance loss" in low):
       lines.append(f"{function}: {line.strip()}")
   return lines
 

@@ -51,7 +51,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
                         overlap_qk: bool = False,
-                        qk_after_pv: bool = True) -> tuple[Array, Array]:
+                        qk_after_pv: bool = True,
+                        fma_exp2_columns: int = 0) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -76,6 +77,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     qk_after_pv: without ``overlap_qk``, issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
+    fma_exp2_columns: of each key tile's ``block_kv`` columns, how many (a
+      multiple of 8) take their exponentials on the FMA units instead of
+      the special-function unit.
 
   Returns:
     ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
@@ -194,7 +198,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           kv_seg = kv_segments_at(slot)
           p, m_new, rescale = _exponentials(
               qk, m, full=step_class == masks.FULL, logits=logits,
-              masked=lambda s: masked(s, kv_tile, kv_seg))
+              masked=lambda s: masked(s, kv_tile, kv_seg),
+              fma_columns=fma_exp2_columns)
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
           p_low = p.astype(dtype)
@@ -303,7 +308,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               wait_turn=lambda: common.wait_turn(wg),
               pass_turn=lambda: common.pass_turn(wg),
               step_info=step_info, kv_segments_at=kv_segments_at,
-              masked=masked)
+              masked=masked, fma_columns=fma_exp2_columns)
         elif not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
               0, count, waiting_step, (acc, m, l, step_info(0)))
@@ -420,20 +425,24 @@ def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
-                  logits: LogitTransform) -> tuple[Array, Array, Array]:
+                  logits: LogitTransform, fma_columns: int = 0
+                  ) -> tuple[Array, Array, Array]:
   """One online-softmax step from the raw products ``qk`` (``masked``
   applied unless ``full``): the float32 probabilities relative to the new
-  row maximum, that maximum, and the factor rescaling earlier sums to it."""
+  row maximum, that maximum, and the factor rescaling earlier sums to it.
+  The probabilities of the last ``fma_columns`` columns are computed on
+  the FMA units (:func:`~jflash.backends.mosaic_gpu.common.exp2_split`)."""
   tile = qk.shape
   factor = logits.linear_factor
   if factor is None:
     s = lax.cond(full, lambda s: s, masked, logits(qk))
     m_new = jnp.maximum(m, s.max(axis=1))
-    p = jnp.exp2(s - broadcast_rows(m_new, tile))
+    p = common.exp2_split(s - broadcast_rows(m_new, tile), fma_columns)
   else:  # the maximum of the raw products; one FMA per exponent
     qk = lax.cond(full, lambda s: s, masked, qk)
     m_new = jnp.maximum(m, qk.max(axis=1) * factor)
-    p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
+    p = common.exp2_split(qk * factor - broadcast_rows(m_new, tile),
+                          fma_columns)
   return p, m_new, jnp.exp2(m - m_new)
 
 
@@ -441,7 +450,7 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
                       logits,
                       qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
                       v_free, wait_turn, pass_turn, step_info,
-                      kv_segments_at, masked):
+                      kv_segments_at, masked, fma_columns=0):
   """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
 
   Step ``j`` waits for its turn, issues ``S_j = Q K_j^T`` and then ``O +=
@@ -467,7 +476,8 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
     step_class, kv_tile = info
     p, m_new, rescale = _exponentials(
         qk, m, full=step_class == masks.FULL, logits=logits,
-        masked=lambda s: masked(s, kv_tile, kv_seg))
+        masked=lambda s: masked(s, kv_tile, kv_seg),
+        fma_columns=fma_columns)
     return p, m_new, rescale, l * rescale + p.sum(axis=1)
 
   def wait_next_k(i):
