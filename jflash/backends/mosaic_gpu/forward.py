@@ -228,14 +228,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
           def products(refs):
             o_ref, qk_ref = refs
+            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+            plgpu.barrier_wait(k_ready.at[after])
 
-            def with_scores(s_ref):
-              plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
-              plgpu.barrier_wait(k_ready.at[after])
+            # S's accumulator is allocated after P V is issued: zeros
+            # materialized before it make ptxas zero 64 registers per step
+            # instead of starting the product without an accumulator.
+            def scores(s_ref):
               plgpu.wgmma(s_ref, qo_smem, k_smem.at[after].transpose((1, 0)))
               common.pass_turn(wg)
               qk_ref[...] = s_ref[...]
-            pl.run_scoped(with_scores, plgpu.ACC(tile, jnp.float32))
+            pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
           acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
           plgpu.barrier_arrive(v_free.at[slot])
           plgpu.barrier_arrive(k_free.at[after])
