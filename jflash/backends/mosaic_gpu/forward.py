@@ -179,6 +179,15 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         def slot_of(i):
           return lax.rem(first_step + i, stages)
 
+        # Key segment ids ride in K's slot: with them, the slot is released
+        # only once they are loaded (softmax_and_turn), else right after
+        # the step's Q K^T has read K.
+        segments_ride_k = kv_seg_ref is not None
+
+        def release_k_after_scores(slot):
+          if not segments_ride_k:
+            plgpu.barrier_arrive(k_free.at[slot])
+
         def first_scores():
           """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
           last ``P V`` passed it (see _consumer)."""
@@ -186,7 +195,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
             return s_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot_of(0)])
+          release_k_after_scores(slot_of(0))
           return qk
 
         def softmax_and_turn(qk, acc, m, l, info, i):
@@ -196,6 +205,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           step_class, kv_tile = info
           slot = slot_of(i)
           kv_seg = kv_segments_at(slot)
+          if segments_ride_k:
+            plgpu.barrier_arrive(k_free.at[slot])
           p, m_new, rescale = _exponentials(
               qk, m, full=step_class == masks.FULL, logits=logits,
               masked=lambda s: masked(s, kv_tile, kv_seg),
@@ -241,7 +252,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
           acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
           plgpu.barrier_arrive(v_free.at[slot])
-          plgpu.barrier_arrive(k_free.at[after])
+          release_k_after_scores(after)
           return acc, m, l, qk, following
 
         def last_step(carry):
@@ -275,7 +286,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             pl.when(i > 0)(lambda: common.pass_turn(wg))
             return s_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
+          release_k_after_scores(slot)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
 
           def pv_product(o_ref):
