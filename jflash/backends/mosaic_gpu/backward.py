@@ -210,10 +210,9 @@ class QueryRing:
       return p, derivative, dp, self.delta(slot, tile)
     p, derivative = self.probabilities(slot, k_smem=k_smem, tile=tile,
                                        logits=logits, full=full, mask=mask)
-    delta = self.delta(slot, tile)
     plgpu.barrier_wait(self.do_ready.at[slot])
     dp = self.dp_product(slot, v_smem=v_smem, tile=tile) if want_dp else None
-    return p, derivative, dp, delta
+    return p, derivative, dp, self.delta(slot, tile)
 
 
 # How many scratch refs a QueryRing takes (its fields, in order).
