@@ -59,15 +59,17 @@ def test_config_rejects_bad_values(field, value):
 def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
   """qk_after_pv sets the forward's plain loop: a value other than the
   default with overlap_qk=True would be dropped, so it is refused; either
-  value is kept without overlap_qk, and the default is on."""
+  value is kept without overlap_qk, and the default (until timed) is
+  off."""
   with pytest.raises(ValueError,
-                     match="MosaicGpuConfig.qk_after_pv=False.*overlap_qk"):
-    MosaicGpuConfig(overlap_qk=True, qk_after_pv=False).resolved(128)
+                     match="MosaicGpuConfig.qk_after_pv=True.*overlap_qk"):
+    MosaicGpuConfig(overlap_qk=True, qk_after_pv=True).resolved(128)
   assert MosaicGpuConfig(overlap_qk=True).resolved(128).overlap_qk
   for value in (False, True):
     assert MosaicGpuConfig(qk_after_pv=value).resolved(64).qk_after_pv \
         == value
-  assert all(mosaic_gpu.default_config(h).qk_after_pv for h in (128, 256))
+  assert not any(mosaic_gpu.default_config(h).qk_after_pv
+                 for h in (64, 128, 256))
 
 
 def test_exp2_on_fma_matches_exp2_and_gives_zero_for_minus_infinity():
@@ -490,14 +492,14 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
-                                     dict(qk_after_pv=False),
+                                     dict(qk_after_pv=True),
                                      dict(fma_exp2_columns=32),
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
                                      dict(overlap_sdp=True),
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
-                         ids=["default", "overlap_qk", "qk_waits_for_pv",
+                         ids=["default", "overlap_qk", "qk_after_pv",
                               "fma_exp2",
                               "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",

@@ -191,9 +191,11 @@ class MosaicGpuConfig:
 # 2 * block_q * H * 2 bytes, each stage 2 * block_kv * H * 2 bytes, out of
 # 227 KiB.
 _DEFAULTS = {
-    # qk_after_pv is off at head dim 64: with the 256-key tile, S of the next
-    # step, P and O in flight at once exceed the registers, and ptxas
-    # serializes the loop's wgmma (its note C7512); a 128-key tile fits.
+    # qk_after_pv is off until it has been timed against the waiting loop
+    # (grid column jflash:mosaic_gpu+qk_after_pv=true).  At head dim 64,
+    # with the 256-key tile, S of the next step, P and O in flight at once
+    # exceed the registers and ptxas serializes the loop's wgmma (its note
+    # C7512); a 128-key tile fits.
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
@@ -203,12 +205,12 @@ _DEFAULTS = {
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                         qk_after_pv=True, fma_exp2_columns=0),
+                         qk_after_pv=False, fma_exp2_columns=0),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
                          fuse_dq=False, dq_slots=4, overlap_sdp=False,
-                         qk_after_pv=True, fma_exp2_columns=0),
+                         qk_after_pv=False, fma_exp2_columns=0),
 }
 
 

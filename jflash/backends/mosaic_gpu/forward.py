@@ -51,7 +51,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
                         overlap_qk: bool = False,
-                        qk_after_pv: bool = True,
+                        qk_after_pv: bool = False,
                         fma_exp2_columns: int = 0) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
