@@ -182,81 +182,42 @@ def test_mosaic_gpu_memory_at_128k():
   assert result["ratio"] <= 1.3, result
 
 
-# Forward and backward at the benchmark grid's shapes (B*T = 16384,
-# N*H = 2048), where every CTA of the persistent kernels takes many items,
-# each checked on its first two heads against the float32 reference; one
-# JSON line per shape.  Run in a child process, so that a deadlock fails
-# the test at its timeout instead of stalling the suite.
-_MANY_ITEMS_CHILD = """
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-import jflash
-from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-from jflash.masks import AttentionMask
-from jflash.reference import reference_attention
-rng = np.random.default_rng(int(sys.argv[1]))
-for head_dim, seq, causal, window, fields in [
+# Forward and backward at the benchmark grid's shapes, where every CTA of
+# the persistent kernels takes many items, each checked on its first two
+# heads against the float32 reference (benchmarks/shape_check.py).  Run in
+# a child process, so that a deadlock fails the test at its timeout
+# instead of stalling the suite.
+_MANY_ITEMS_CASES = [
     (64, 1024, True, None, {}), (64, 1024, True, None, {"overlap_qk": True}),
     (64, 4096, True, None, {}), (64, 1024, False, None, {}),
-    (128, 1024, True, None, {}), (128, 2048, True, (256, 0), {}),
-    (256, 1024, True, None, {})]:
-  heads, batch = 2048 // head_dim, 16384 // seq
-  q, k, v, ct = (jnp.asarray(rng.standard_normal(
-      (batch, seq, heads, head_dim), np.float32), jnp.bfloat16)
-      for _ in range(4))
-  backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
-  def attend(q, k, v):
-    return jflash.dot_product_attention(
-        q, k, v, is_causal=causal, local_window_size=window,
-        implementation=backend)
-  def both(q, k, v, ct):
-    out, vjp = jax.vjp(attend, q, k, v)
-    return (out, *vjp(ct))
-  got = jax.jit(both)(q, k, v, ct)
-  sub = [x[:1, :, :2] for x in (q, k, v, ct)]
-  mask = AttentionMask(batch=1, q_len=seq, kv_len=seq, is_causal=causal,
-                       window=window)
-  def exact(q, k, v):
-    return reference_attention(q, k, v, None, mask,
-                               scale=head_dim ** -0.5)[0]
-  def exact_all(q, k, v, ct):
-    out, vjp = jax.vjp(exact, q, k, v)
-    return (out, *vjp(ct))
-  # Jitted: op by op, each of the reference's operations compiles on its
-  # own (about 45 s per shape on the H200).
-  want = jax.jit(exact_all)(*(x.astype(jnp.float32) for x in sub))
-  errors = []
-  for g, w in zip(got, want):
-    g = np.asarray(g[:1, :, :2], np.float64)
-    w = np.asarray(w, np.float64)
-    errors.append(float(np.linalg.norm(g - w) / np.linalg.norm(w)))
-  print(json.dumps(dict(head_dim=head_dim, seq=seq, causal=causal,
-                        window=window, fields=fields, errors=errors)),
-        flush=True)
-"""
+    (128, 1024, True, None, {}), (128, 1024, True, None,
+                                  {"qk_after_pv": True}),
+    (128, 2048, True, (256, 0), {}), (256, 1024, True, None, {})]
 
 
 def test_mosaic_gpu_many_items_per_cta_finish_and_match():
   """The persistent kernels at the benchmark grid's shapes, where each CTA
   loops over dozens of items of varying length (causal, windows, head dims
-  64, 128, 256, the overlapped forward): every call finishes and its
+  64, 128, 256, the forward's other loops): every call finishes and its
   output and gradients match the float32 reference on two heads."""
   _, seed = conformance.new_rng()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONPATH=os.pathsep.join(
                  filter(None, [root, os.environ.get("PYTHONPATH")])))
+  cases = [[h, s, c, w, "bwd", f] for h, s, c, w, f in _MANY_ITEMS_CASES]
   try:
-    done = subprocess.run([sys.executable, "-c", _MANY_ITEMS_CHILD,
-                           str(seed)], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=400, check=False)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.shape_check",
+                           json.dumps(cases), str(seed)],
+                          capture_output=True, text=True, env=env, cwd=root,
+                          timeout=400, check=False)
   except subprocess.TimeoutExpired as err:
     pytest.fail(f"did not finish in 400 s (a deadlock?), seed={seed}; "
                 f"finished so far: {err.stdout}")
   assert done.returncode == 0, done.stderr[-2000:]
-  lines = [json.loads(line) for line in done.stdout.splitlines()
-           if line.startswith("{")]
-  assert len(lines) == 7, done.stdout
+  lines = [json.loads(line[len("RESULT "):])
+           for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+  assert len(lines) == len(cases), done.stdout
   for line in lines:
     # bfloat16 inputs against a float32 reference: about 2.5e-3 (the
     # benchmark grid's accuracy table, for cuDNN and jflash alike).

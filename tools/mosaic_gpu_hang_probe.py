@@ -1,9 +1,10 @@
 """Find which ``mosaic_gpu`` kernel, shape and configuration stops finishing,
 on a Hopper GPU.
 
-Each (case, stage) runs in its own child process with a timeout, so that a
-kernel that deadlocks costs one timeout and the probe goes on: ``fwd`` runs
-the forward alone, ``bwd`` the forward and its VJP.  Cases are the
+Each (case, stage) runs in its own child process
+(:mod:`benchmarks.shape_check`) with a timeout, so that a kernel that
+deadlocks costs one timeout and the probe goes on: ``fwd`` runs the
+forward alone, ``bwd`` the forward and its VJP.  Cases are the
 benchmark grid's shapes (B * S = 16384, N * H = 2048), where each CTA of the
 persistent kernels takes many items.  One line per run: status, seconds,
 and for finished runs the relative error of the output (and gradients) on
@@ -33,56 +34,10 @@ _CASES = ((64, 1024, True, None), (64, 1024, False, None),
           (128, 1024, False, None), (128, 4096, True, None),
           (128, 2048, True, (256, 0)), (128, 16384, True, (1024, 0)),
           (256, 1024, True, None), (256, 4096, False, None))
-
-_CHILD = """
-import json, sys, time
-T0 = time.monotonic()
-import jax, jax.numpy as jnp, numpy as np
-import jflash
-from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-from jflash.masks import AttentionMask
-from jflash.reference import reference_attention
-head_dim, seq, causal, window, stage, fields = json.loads(sys.argv[1])
-window = tuple(window) if window else None
-rng = np.random.default_rng(0)
-heads, batch = 2048 // head_dim, 16384 // seq
-q, k, v, ct = (jnp.asarray(rng.standard_normal(
-    (batch, seq, heads, head_dim), np.float32), jnp.bfloat16)
-    for _ in range(4))
-backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
-def attend(q, k, v):
-  return jflash.dot_product_attention(
-      q, k, v, is_causal=causal, local_window_size=window,
-      implementation=backend)
-def both(q, k, v, ct):
-  out, vjp = jax.vjp(attend, q, k, v)
-  return (out, *vjp(ct))
-run = jax.jit(both) if stage == "bwd" else jax.jit(
-    lambda q, k, v, ct: (attend(q, k, v),))
-print(f"PHASE inputs@{time.monotonic() - T0:.0f}s", flush=True)
-run = run.lower(q, k, v, ct).compile()
-print(f"PHASE compiled@{time.monotonic() - T0:.0f}s", flush=True)
-got = jax.block_until_ready(run(q, k, v, ct))
-print(f"PHASE ran@{time.monotonic() - T0:.0f}s", flush=True)
-sub = [x[:1, :, :2] for x in (q, k, v, ct)]
-mask = AttentionMask(batch=1, q_len=seq, kv_len=seq, is_causal=causal,
-                     window=window)
-def exact(q, k, v):
-  return reference_attention(q, k, v, None, mask, scale=head_dim ** -0.5)[0]
-def exact_all(q, k, v, ct):
-  out, vjp = jax.vjp(exact, q, k, v)
-  return (out, *vjp(ct))
-# Jitted: op by op, each of the reference's operations compiles on its
-# own (about 45 s per shape on the H200).
-want = jax.jit(exact_all)(*(x.astype(jnp.float32) for x in sub))
-errors = []
-for g, w in zip(got, want):
-  g = np.asarray(g[:1, :, :2], np.float64)
-  w = np.asarray(w, np.float64)
-  errors.append(float(np.linalg.norm(g - w) / np.linalg.norm(w)))
-print(f"PHASE checked@{time.monotonic() - T0:.0f}s", flush=True)
-print("ERRORS " + json.dumps(errors), flush=True)
-"""
+# Run as a script, not with -m, so that the child imports jflash from
+# PYTHONPATH (--tree first) rather than from the working directory.
+_CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "benchmarks", "shape_check.py")
 
 
 def _case_name(case) -> str:
@@ -109,18 +64,20 @@ def main() -> None:
   cases = [c for c in _CASES if not args.only or _case_name(c) in args.only]
   for stage in args.stages.split(","):
     for case in cases:
-      payload = json.dumps([*case, stage, fields])
+      payload = json.dumps([[*case, stage, fields]])
       start = time.monotonic()
       try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, payload],
-                              capture_output=True, text=True, env=env,
-                              timeout=args.timeout, check=False)
-        lines = [ln for ln in done.stdout.splitlines()
-                 if ln.startswith("ERRORS ")]
+        done = subprocess.run(
+            [sys.executable, _CHECK, payload],
+            capture_output=True, text=True, env=env, timeout=args.timeout,
+            check=False)
+        results = [json.loads(ln[len("RESULT "):])
+                   for ln in done.stdout.splitlines()
+                   if ln.startswith("RESULT ")]
         phases = " ".join(ln[6:] for ln in done.stdout.splitlines()
                           if ln.startswith("PHASE "))
-        status = (f"ok {phases} {lines[-1][7:]}"
-                  if done.returncode == 0 and lines
+        status = (f"ok {phases} errors {results[-1]['errors']}"
+                  if done.returncode == 0 and results
                   else "error " + done.stderr.strip()[-600:])
       except subprocess.TimeoutExpired as err:
         out = err.stdout.decode() if isinstance(err.stdout, bytes) else (
