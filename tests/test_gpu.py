@@ -90,6 +90,19 @@ class TestMosaicGpuOverlappedForward(TestMosaicGpu):
     return MosaicGpuBackend(MosaicGpuConfig(overlap_qk=True))
 
 
+class TestMosaicGpuVariantForwardLoop(TestMosaicGpu):
+  """The forward's opt-in loop and exponentials together
+  (``MosaicGpuConfig(qk_after_pv=True, fma_exp2_columns=32)``): each
+  step's next ``Q K^T`` issued right behind its ``P V``, and 32 columns of
+  every key tile exponentiated on the FMA units."""
+
+  @property
+  def implementation(self):
+    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+    return MosaicGpuBackend(MosaicGpuConfig(qk_after_pv=True,
+                                            fma_exp2_columns=32))
+
+
 class TestMosaicGpuOverlappedBackward(TestMosaicGpu):
   """The backward with ``MosaicGpuConfig(overlap_sdp=True)``: each step's
   ``S`` and ``dP`` products issued together.  It serves head dims up to

@@ -5,7 +5,7 @@
 # four minutes on an H200.  Logs go to ${OUT:-out}/.
 #
 # VARIANTS=1 tests the opt-in kernel variants (overlap_qk, overlap_sdp,
-# fuse_dq) instead
+# fuse_dq, qk_after_pv with fma_exp2_columns) instead
 # of the default configuration (about five minutes).
 # Usage (from the repository root): [VARIANTS=1] bash tools/mosaic_gpu_check.sh
 set -uo pipefail
@@ -16,9 +16,9 @@ export XLA_FLAGS="--xla_backend_optimization_level=3"
 PY="${PYTHON:-python3}"
 
 if [ "${VARIANTS:-0}" = 1 ]; then
-  SELECT="Overlapped or Fused"
+  SELECT="Overlapped or Fused or Variant"
 else
-  SELECT="(TestMosaicGpu and not Overlapped and not Fused) or test_mosaic_gpu"
+  SELECT="(TestMosaicGpu and not Overlapped and not Fused and not Variant) or test_mosaic_gpu"
 fi
 echo "== mosaic_gpu tests: $SELECT"
 timeout 330 "$PY" -m pytest -m gpu tests/test_gpu.py -k "$SELECT" \
