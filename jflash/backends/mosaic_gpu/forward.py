@@ -163,6 +163,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                 q_seg=q_seg, kv_seg=kv_seg)
 
         def kv_segments_at(slot):
+          """The overlapped loop's key segment ids of ``slot``: waited for
+          and loaded at the start of the step."""
           if kv_seg_ref is None:
             return None
           plgpu.barrier_wait(kvseg_ready.at[slot])
@@ -180,9 +182,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return lax.rem(first_step + i, stages)
 
         # Key segment ids ride in K's slot: with them, the slot is released
-        # only once they are loaded (softmax_and_turn), else right after
-        # the step's Q K^T has read K.
+        # only after the step's softmax, whose masked branch alone reads
+        # them (softmax_and_turn), else right after the step's Q K^T has
+        # read K.
         segments_ride_k = kv_seg_ref is not None
+
+        def kv_segments_loaded(slot):
+          """The key segment ids of ``slot`` (already waited for), broadcast
+          over the tile; called only where a tile is masked."""
+          return broadcast_cols(
+              plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
         def release_k_after_scores(slot):
           if not segments_ride_k:
@@ -204,13 +213,19 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           sums, and ``P_i`` in the input dtype."""
           step_class, kv_tile = info
           slot = slot_of(i)
-          kv_seg = kv_segments_at(slot)
           if segments_ride_k:
-            plgpu.barrier_arrive(k_free.at[slot])
+            # Waited for every step (the barrier's phases), read only by
+            # masked tiles: a full tile keeps no segment ids in registers.
+            plgpu.barrier_wait(kvseg_ready.at[slot])
+
+          def mask_step(s):
+            kv_seg = kv_segments_loaded(slot) if segments_ride_k else None
+            return masked(s, kv_tile, kv_seg)
           p, m_new, rescale = _exponentials(
               qk, m, full=step_class == masks.FULL, logits=logits,
-              masked=lambda s: masked(s, kv_tile, kv_seg),
-              fma_columns=fma_exp2_columns)
+              masked=mask_step, fma_columns=fma_exp2_columns)
+          if segments_ride_k:
+            plgpu.barrier_arrive(k_free.at[slot])
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
           p_low = p.astype(dtype)
