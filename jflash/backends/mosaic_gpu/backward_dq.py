@@ -155,20 +155,26 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             return dp
 
           # Key segment ids ride with the first stream (V when dP comes
-          # first, else K): read them before that slot is released, or the
-          # producer may overwrite them with the next round's.
+          # first, else K) and must be read before that slot is released,
+          # or the producer may overwrite them with the next round's.  K's
+          # slot is released at the end of the step, so with K only a
+          # masked tile reads them; V's is released after dP, before the
+          # softmax, so with V every step reads them first.
           kv_seg_cols = None
           if kv_seg_ref is not None:
             plgpu.barrier_wait(kvseg_ready.at[slot])
-            kv_seg_cols = plgpu.load(kvseg_smem.at[slot], layout=_COL)
+            if dp_first:
+              kv_seg_cols = plgpu.load(kvseg_smem.at[slot], layout=_COL)
           if dp_first:
             dp = dp_then_free_v()
           plgpu.barrier_wait(k_ready.at[slot])
-          kv_seg = None
-          if kv_seg_cols is not None:
-            kv_seg = broadcast_cols(kv_seg_cols, tile)
 
           def masked(s):
+            kv_seg = None
+            if kv_seg_ref is not None:
+              cols = kv_seg_cols if dp_first else plgpu.load(
+                  kvseg_smem.at[slot], layout=_COL)
+              kv_seg = broadcast_cols(cols, tile)
             return spec.mask_tile(s, row_start=q_base + zero,
                                   col_tile=kv_tile,
                                   col_block=block_kv, rows_are_queries=True,
