@@ -194,6 +194,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
         def release_k_after_scores(slot):
+          """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
+          segment ids ride in it (then softmax_and_turn releases it)."""
           if not segments_ride_k:
             plgpu.barrier_arrive(k_free.at[slot])
 
@@ -241,8 +243,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             l = l + p.sum(axis=1)
           return acc, m_new, l, p_low
 
-        def step(i, carry):
-          """A step before the item's last: within one turn ``O += P_i V_i``
+        def chained_step(i, carry):
+          """A step of the ``qk_after_pv`` loop before the item's last:
+          within one turn ``O += P_i V_i``
           and then ``S_{i+1} = Q K_{i+1}^T`` are issued back to back, so
           that the tensor cores run the second while this consumer would
           otherwise wait for the first; both are waited for together
@@ -345,7 +348,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
           qk = lax.cond(count > 0, first_scores, lambda: zeros)
-          carry = lax.fori_loop(0, count - 1, step,
+          carry = lax.fori_loop(0, count - 1, chained_step,
                                 (acc, m, l, qk, step_info(0)))
           acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
                                      carry)
