@@ -240,9 +240,9 @@ def padded_head_dim(head_dim: int) -> int:
 # an H200 the 64-key tile gained 5% fwd+bwd at head dim 128 and lost 1% at
 # 64, which keeps 128.  The dQ pass now folds the derivative into P before
 # dP, and a 128-key tile no longer spills at head dim 128 (offline); the
-# rule stays until the wider tile is timed against it.  Segment ids of a 256-key forward tile take 64
-# registers per thread, spilling 292 bytes at head dim 64 (128-key tiles:
-# +12% forward there).
+# rule stays until the wider tile is timed against it.  Segment ids of a
+# 256-key forward tile take 64 registers per thread, spilling 292 bytes at
+# head dim 64 (128-key tiles: +12% forward there).
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
 _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # overlap_sdp is in the table at head dims 64 and 128: on an H200, timed

@@ -162,14 +162,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                 q_length=q_length, kv_length=kv_length,
                                 q_seg=q_seg, kv_seg=kv_seg)
 
-        def kv_segments_at(slot):
-          """The overlapped loop's key segment ids of ``slot``: waited for
-          and loaded at the start of the step."""
-          if kv_seg_ref is None:
-            return None
-          plgpu.barrier_wait(kvseg_ready.at[slot])
-          return broadcast_cols(
-              plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
         def step_info(i):
           """Step ``i``'s tile class and key tile, read a step early so
@@ -189,9 +181,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
         def kv_segments_loaded(slot):
           """The key segment ids of ``slot`` (already waited for), broadcast
-          over the tile; called only where a tile is masked."""
+          over the tile; the plain loops call it only where a tile is
+          masked."""
           return broadcast_cols(
               plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+
+        def kv_segments_at(slot):
+          """The overlapped loop's key segment ids of ``slot``: waited for
+          and loaded at the start of the step."""
+          if kv_seg_ref is None:
+            return None
+          plgpu.barrier_wait(kvseg_ready.at[slot])
+          return kv_segments_loaded(slot)
 
         def release_k_after_scores(slot):
           """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
