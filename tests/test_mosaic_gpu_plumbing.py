@@ -72,6 +72,34 @@ def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
                  for h in (64, 128, 256))
 
 
+def _forward_kernel_text(head_dim: int, **fields) -> str:
+  """The traced forward (its kernel body included) for a causal mask."""
+  mask = masks.AttentionMask(batch=1, q_len=256, kv_len=256, is_causal=True)
+  plan = mosaic_gpu._Plan(
+      spec=MaskSpec.of(mask), logits=LogitTransform(0.1, None),
+      config=MosaicGpuConfig(**fields).resolved(head_dim),
+      head_dim=head_dim)
+  q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+  return str(jax.make_jaxpr(
+      lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan))(q, q, q))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_switches_reach_the_kernel(head_dim):
+  """qk_after_pv and fma_exp2_columns change the forward kernel that is
+  traced, not only the resolved configuration: the chained loop issues
+  more products (its first Q K^T before the loop, its last P V alone), and
+  the FMA exponentials bring integer bit operations the special-function
+  path has none of."""
+  default = _forward_kernel_text(head_dim)
+  chained = _forward_kernel_text(head_dim, qk_after_pv=True)
+  fma = _forward_kernel_text(head_dim, fma_exp2_columns=32)
+  assert chained.count("wgmma") > default.count("wgmma")
+  assert "shift_left" not in default and "shift_left" in fma
+  assert fma.count("bitcast_convert_type") > default.count(
+      "bitcast_convert_type")
+
+
 def test_exp2_on_fma_matches_exp2_and_gives_zero_for_minus_infinity():
   """The FMA-unit exponential the forward can use for part of a tile:
   relative error within its documented 1.02e-4 over the softmax's whole
