@@ -174,23 +174,27 @@ class QueryRing:
       return acc_ref[...]
     return pl.run_scoped(product, plgpu.ACC(tile, jnp.float32))
 
-  def dv_first_products(self, slot, p: Array, derivative: Array,
-                        delta: Array, *, v_smem, tile: tuple[int, int], dtype,
-                        dv: Array, dk: Array, ds_sink=None
-                        ) -> tuple[Array, Array]:
+  def dv_first_products(self, slot, p: Array, derivative: Array, *,
+                        v_smem, tile: tuple[int, int], dtype, dv: Array,
+                        dk: Array, ds_sink=None) -> tuple[Array, Array]:
     """The products of a step with a soft cap, dV's first: ``dV += P^T
     dO`` is issued, the cap's derivative folded into ``P`` while it runs
-    (only ``dS`` reads the product), then ``dP^T = V dO^T``, ``dS`` and
-    ``dK += dS Q``.  ``P`` and the derivative are thus never both live
-    next to ``dP``'s tile.  ``ds_sink(ds)``, if given, receives ``dS`` in
-    ``dtype`` before dK's product is issued.  dO and Q must have been
-    waited for.  Returns the new ``(dv, dk)``."""
+    (only ``dS`` reads the product), then ``dP^T = V dO^T``, ``dS`` (with
+    ``delta`` loaded only then) and ``dK += dS Q``.  ``P`` and the
+    derivative are thus never both live next to ``dP``'s tile.
+    ``ds_sink(ds)``, if given, receives ``dS`` in ``dtype`` before dK's
+    product is issued.  Waits for dO; Q and the row statistics must have
+    been waited for (:meth:`probabilities`).  Returns the new
+    ``(dv, dk)``."""
+    plgpu.barrier_wait(self.do_ready.at[slot])
+
     def products(refs):
       dv_ref, dk_ref = refs
       plgpu.wgmma(dv_ref, p.astype(dtype), self.do.at[slot])
       p_scaled = p * derivative
       dp = self.dp_product(slot, v_smem=v_smem, tile=tile)
-      ds = _score_gradient(p_scaled, dp, delta, None).astype(dtype)
+      ds = _score_gradient(p_scaled, dp, self.delta(slot, tile),
+                           None).astype(dtype)
       if ds_sink is not None:
         ds_sink(ds)
       plgpu.wgmma(dk_ref, ds, self.q.at[slot])
@@ -399,11 +403,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             p, derivative = ring.probabilities(
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
                 mask=mask)
-            delta = ring.delta(slot, tile)
-            plgpu.barrier_wait(ring.do_ready.at[slot])
             dv, dk = ring.dv_first_products(
-                slot, p, derivative, delta, v_smem=v_smem, tile=tile,
-                dtype=dtype, dv=dv, dk=dk)
+                slot, p, derivative, v_smem=v_smem, tile=tile, dtype=dtype,
+                dv=dv, dk=dk)
           elif want_dv and want_dk:
             p, derivative, dp, delta = ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,

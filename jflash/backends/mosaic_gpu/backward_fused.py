@@ -212,12 +212,10 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             p, derivative = ring.probabilities(
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
                 mask=mask)
-            delta = ring.delta(slot, tile)
-            plgpu.barrier_wait(ring.do_ready.at[slot])
             wait_ds_slot()
             dv, dk = ring.dv_first_products(
-                slot, p, derivative, delta, v_smem=v_smem, tile=tile,
-                dtype=dtype, dv=dv, dk=dk, ds_sink=stage_ds)
+                slot, p, derivative, v_smem=v_smem, tile=tile, dtype=dtype,
+                dv=dv, dk=dk, ds_sink=stage_ds)
           else:
             p, derivative, dp, delta = ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
