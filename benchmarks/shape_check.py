@@ -10,12 +10,13 @@ do not.  Usage::
   python3 -m benchmarks.shape_check CASES [SEED]
 
 ``CASES`` is a JSON list of ``[head_dim, seq, causal, window, stage,
-config]``: ``window`` a ``[left, right]`` pair or null, ``stage`` ``"fwd"``
+config]``: ``window`` the left window size (``local_window_size=(window,
+0)``) or null, ``stage`` ``"fwd"``
 (the forward alone) or ``"bwd"`` (forward and VJP), ``config``
 ``MosaicGpuConfig`` fields.  Per case it prints ``PHASE <name>@<s>s``
 lines as it goes (inputs, compiled, ran, checked) and then ``RESULT
 <json>`` with the relative errors of the output (and dQ, dK, dV) on the
-first two heads of the first batch row.
+first two heads (:mod:`benchmarks.check`, the grid's own check).
 """
 
 from __future__ import annotations
@@ -25,32 +26,32 @@ import sys
 import time
 
 
-def check_case(head_dim: int, seq: int, causal: bool, window, stage: str,
-               fields: dict, rng, start: float) -> dict:
+def check_case(head_dim: int, seq: int, causal: bool, window: int | None,
+               stage: str, fields: dict, rng, start: float) -> dict:
   """Runs one case; returns its result record."""
   import jax  # noqa: PLC0415 (a child process on the GPU)
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
   import jflash  # noqa: PLC0415
+  from benchmarks import check  # noqa: PLC0415
+  from benchmarks.cells import Cell  # noqa: PLC0415
   from jflash.backends.mosaic_gpu import (MosaicGpuBackend,  # noqa: PLC0415
                                           MosaicGpuConfig)
-  from jflash.masks import AttentionMask  # noqa: PLC0415
-  from jflash.reference import reference_attention  # noqa: PLC0415
 
   def phase(name):
     print(f"PHASE {name}@{time.monotonic() - start:.0f}s", flush=True)
 
-  window = tuple(window) if window else None
-  heads, batch = 2048 // head_dim, 16384 // seq
+  cell = Cell(batch=16384 // seq, seq_len=seq, num_heads=2048 // head_dim,
+              head_dim=head_dim, causal=causal, window=window)
   q, k, v, ct = (jnp.asarray(rng.standard_normal(
-      (batch, seq, heads, head_dim), np.float32), jnp.bfloat16)
+      (cell.batch, seq, cell.num_heads, head_dim), np.float32), jnp.bfloat16)
       for _ in range(4))
   backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
 
   def attend(q, k, v):
     return jflash.dot_product_attention(
-        q, k, v, is_causal=causal, local_window_size=window,
+        q, k, v, is_causal=causal, local_window_size=cell.local_window_size,
         implementation=backend)
 
   def both(q, k, v, ct):
@@ -67,27 +68,13 @@ def check_case(head_dim: int, seq: int, causal: bool, window, stage: str,
   phase("compiled")
   got = jax.block_until_ready(run(q, k, v, ct))
   phase("ran")
-  mask = AttentionMask(batch=1, q_len=seq, kv_len=seq, is_causal=causal,
-                       window=window)
-
-  def exact(q, k, v, ct):
-    def out_of(q, k, v):
-      return reference_attention(q, k, v, None, mask,
-                                 scale=head_dim ** -0.5)[0]
-    out, vjp = jax.vjp(out_of, q, k, v)
-    return (out, *vjp(ct))
-  # Jitted: op by op, each of the reference's operations compiles on its
-  # own (about 45 s per shape on an H200).
-  sub = [x[:1, :, :2].astype(jnp.float32) for x in (q, k, v, ct)]
-  want = jax.jit(exact)(*sub)
-  errors = []
-  for g, w in zip(got, want):
-    g = np.asarray(g[:1, :, :2], np.float64)
-    w = np.asarray(w, np.float64)
-    errors.append(float(np.linalg.norm(g - w) / np.linalg.norm(w)))
+  ref = check.reference(cell, q, k, v, None, ct, check_heads=2)
+  errors = check.relative_errors(cell, got, ref, check_heads=2)
   phase("checked")
   return dict(head_dim=head_dim, seq=seq, causal=causal, window=window,
-              stage=stage, fields=fields, errors=errors)
+              stage=stage, fields=fields,
+              errors=[errors[name] for name in check.QUANTITIES
+                      if name in errors])
 
 
 def main(argv: list[str]) -> None:

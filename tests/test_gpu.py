@@ -205,7 +205,7 @@ _MANY_ITEMS_CASES = [
     (64, 4096, True, None, {}), (64, 1024, False, None, {}),
     (128, 1024, True, None, {}), (128, 1024, True, None,
                                   {"qk_after_pv": True}),
-    (128, 2048, True, (256, 0), {}), (256, 1024, True, None, {})]
+    (128, 2048, True, 256, {}), (256, 1024, True, None, {})]
 
 
 def test_mosaic_gpu_many_items_per_cta_finish_and_match():

@@ -28,11 +28,11 @@ import subprocess
 import sys
 import time
 
-# (head dim, sequence length, causal, window)
+# (head dim, sequence length, causal, left window or None)
 _CASES = ((64, 1024, True, None), (64, 1024, False, None),
           (64, 4096, True, None), (128, 1024, True, None),
           (128, 1024, False, None), (128, 4096, True, None),
-          (128, 2048, True, (256, 0)), (128, 16384, True, (1024, 0)),
+          (128, 2048, True, 256), (128, 16384, True, 1024),
           (256, 1024, True, None), (256, 4096, False, None))
 # Run as a script, not with -m, so that the child imports jflash from
 # PYTHONPATH (--tree first) rather than from the working directory.
@@ -43,7 +43,7 @@ _CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 def _case_name(case) -> str:
   head_dim, seq, causal, window = case
   name = f"{head_dim}:{seq}:{'causal' if causal else 'full'}"
-  return name + (f":w{window[0]}" if window else "")
+  return name + (f":w{window}" if window else "")
 
 
 def main() -> None:
