@@ -59,17 +59,21 @@ def test_config_rejects_bad_values(field, value):
 def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
   """qk_after_pv sets the forward's plain loop: a value other than the
   default with overlap_qk=True would be dropped, so it is refused; either
-  value is kept without overlap_qk, and the default (until timed) is
-  off."""
-  with pytest.raises(ValueError,
-                     match="MosaicGpuConfig.qk_after_pv=True.*overlap_qk"):
-    MosaicGpuConfig(overlap_qk=True, qk_after_pv=True).resolved(128)
+  value is kept without overlap_qk.  The table turns it on at head dim
+  128 only, and segment ids or a soft cap turn it off."""
+  for head_dim, value in ((64, True), (128, False)):
+    with pytest.raises(ValueError,
+                       match=f"MosaicGpuConfig.qk_after_pv={value}.*overlap_qk"):
+      MosaicGpuConfig(overlap_qk=True, qk_after_pv=value).resolved(head_dim)
   assert MosaicGpuConfig(overlap_qk=True).resolved(128).overlap_qk
   for value in (False, True):
     assert MosaicGpuConfig(qk_after_pv=value).resolved(64).qk_after_pv \
         == value
-  assert not any(mosaic_gpu.default_config(h).qk_after_pv
-                 for h in (64, 128, 256))
+  assert [mosaic_gpu.default_config(h).qk_after_pv
+          for h in (64, 128, 256)] == [False, True, False]
+  assert not mosaic_gpu.default_config(128, 4096, segments=True).qk_after_pv
+  assert not mosaic_gpu.default_config(128, 4096, soft_cap=True).qk_after_pv
+  assert mosaic_gpu.default_config(128, 4096, causal=True).qk_after_pv
 
 
 def _forward_kernel_text(head_dim: int, **fields) -> str:
@@ -91,9 +95,10 @@ def test_forward_switches_reach_the_kernel(head_dim):
   more products (its first Q K^T before the loop, its last P V alone), and
   the FMA exponentials bring integer bit operations the special-function
   path has none of."""
-  default = _forward_kernel_text(head_dim)
+  default = _forward_kernel_text(head_dim, qk_after_pv=False)
   chained = _forward_kernel_text(head_dim, qk_after_pv=True)
-  fma = _forward_kernel_text(head_dim, fma_exp2_columns=32)
+  fma = _forward_kernel_text(head_dim, qk_after_pv=False,
+                             fma_exp2_columns=32)
   assert chained.count("wgmma") > default.count("wgmma")
   assert "shift_left" not in default and "shift_left" in fma
   assert fma.count("bitcast_convert_type") > default.count(
@@ -273,22 +278,24 @@ def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
 def test_feature_rules_narrow_key_tiles(head_dim):
   """A soft cap narrows the dQ key tile to at most 64 above head dim 64,
   segment ids the forward key tile to at most 128 at head dim 64; both
-  turn overlap_sdp off; nothing else changes, the narrower of a feature's
+  turn overlap_sdp and qk_after_pv off; nothing else changes, the narrower of a feature's
   and the length rule's tile wins, and a caller's explicit tile is
   kept."""
   row = mosaic_gpu.default_config(head_dim)
   capped = mosaic_gpu.default_config(head_dim, soft_cap=True)
   assert capped.block_kv_dq == (row.block_kv_dq if head_dim == 64
                                 else min(64, row.block_kv_dq))
-  assert not capped.overlap_sdp
+  assert not capped.overlap_sdp and not capped.qk_after_pv
   assert dataclasses.replace(capped, block_kv_dq=row.block_kv_dq,
-                             overlap_sdp=row.overlap_sdp) == row
+                             overlap_sdp=row.overlap_sdp,
+                             qk_after_pv=row.qk_after_pv) == row
   packed = mosaic_gpu.default_config(head_dim, segments=True)
   assert packed.block_kv == (min(128, row.block_kv) if head_dim == 64
                              else row.block_kv)
-  assert not packed.overlap_sdp
+  assert not packed.overlap_sdp and not packed.qk_after_pv
   assert dataclasses.replace(packed, block_kv=row.block_kv,
-                             overlap_sdp=row.overlap_sdp) == row
+                             overlap_sdp=row.overlap_sdp,
+                             qk_after_pv=row.qk_after_pv) == row
   both = MosaicGpuConfig().resolved(head_dim, 100, soft_cap=True,
                                     segments=True)
   assert both.block_kv_dq == min(capped.block_kv_dq, 128)  # 100 keys

@@ -191,11 +191,16 @@ class MosaicGpuConfig:
 # 2 * block_q * H * 2 bytes, each stage 2 * block_kv * H * 2 bytes, out of
 # 227 KiB.
 _DEFAULTS = {
-    # qk_after_pv is off until it has been timed against the waiting loop
-    # (grid column jflash:mosaic_gpu+qk_after_pv=true).  At head dim 64,
+    # qk_after_pv at head dim 128: on an H200, timed in one run against the
+    # waiting loop (benchmarks/results/2026-12-02-h200-qk-after-pv), forward
+    # +1% to +4% from 4096 keys (S=16384 569 -> 574, causal 570 -> 595,
+    # 1024-key window 446 -> 456; S=4096 540 -> 559, causal 507 -> 523),
+    # even at 1024 keys (501 -> 496, 343 -> 345); with 8 packed segments
+    # per row it lost 8% (451 -> 414), so segment ids keep the waiting loop,
+    # as does a soft cap, which it has not been timed with.  At head dim 64,
     # with the 256-key tile, S of the next step, P and O in flight at once
     # exceed the registers and ptxas serializes the loop's wgmma (its note
-    # C7512); a 128-key tile fits.
+    # C7512); a 128-key tile fits but lost 5% to 9% forward at S=4096.
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
@@ -205,7 +210,7 @@ _DEFAULTS = {
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                         qk_after_pv=False, fma_exp2_columns=0),
+                         qk_after_pv=True, fma_exp2_columns=0),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
@@ -299,7 +304,8 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     ``window``, no soft cap and no segment ids; with one dQ accumulator;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
-    128 at head dim 64; with either, ``overlap_sdp`` is off;
+    128 at head dim 64; with either, ``overlap_sdp`` and ``qk_after_pv``
+    are off;
   * no key tile of the forward or the dQ pass is wider than the keys.  A
     tile is narrowed to the smallest of 64, 128 and 256 that covers
     ``kv_len`` (so that short sequences, e.g. 77 keys at head dim 64, do
@@ -315,6 +321,8 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
       config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
   if config.overlap_sdp and (soft_cap or segments):
     config = dataclasses.replace(config, overlap_sdp=False)
+  if config.qk_after_pv and (soft_cap or segments):
+    config = dataclasses.replace(config, qk_after_pv=False)
   widest = {}
   if soft_cap:
     widest["block_kv_dq"] = _SOFT_CAP_MAX_BLOCK_KV_DQ[padded]
