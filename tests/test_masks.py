@@ -136,6 +136,20 @@ def test_tile_classes(combo):
       np.testing.assert_array_equal(got, want, err_msg=info)
 
 
+def test_tile_classes_where_light_cpu_codegen_aborted():
+  """A shape whose tile classification aborted XLA:CPU's LLVM instruction
+  selection at ``--xla_backend_optimization_level=1`` on AVX-512 hosts (see
+  ``conftest.py``): it must compile and agree with brute force."""
+  rng, seed = _seeded()
+  combo = dict(causal=False, window=False, lengths=False, segments=True,
+               dense=True)
+  mask, vis = random_mask(rng, 2, 16, 48, **combo)
+  got = np.asarray(tile_classes(mask, 11, 9))
+  want = brute_tile_classes(vis, 11, 9)
+  assert not np.any((got == masks.EMPTY) & (want != masks.EMPTY)), seed
+  assert not np.any((got == masks.FULL) & (want != masks.FULL)), seed
+
+
 def test_unsorted_segments_are_conservative():
   rng, seed = _seeded()
   mask, vis = random_mask(rng, 2, 40, 40, causal=False, window=False,
