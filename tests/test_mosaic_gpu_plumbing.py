@@ -19,7 +19,7 @@ from jflash import masks
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
-from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu import common, forward
 from tests._support import random_segments
 
 
@@ -528,6 +528,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 @pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
                                      dict(qk_after_pv=True),
+                                     dict(qk_after_pv=True, chain_items=True),
                                      dict(fma_exp2_columns=32),
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
@@ -535,7 +536,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
                          ids=["default", "overlap_qk", "qk_after_pv",
-                              "fma_exp2",
+                              "chain_items", "fma_exp2",
                               "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
                               "plain_sdp", "fuse_dq_overlap_sdp"])
@@ -575,6 +576,16 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
       head_dim=head_dim)
 
   run = _forward_and_backward(mask, plan)
+  c = plan.config
+  if variant.get("chain_items") and forward._forward_smem_bytes(
+      c.block_q, c.block_kv, c.stages, head_dim, jnp.bfloat16,
+      "segments" in features, separate_output=True) > common.SMEM_LIMIT_BYTES:
+    # Two Q buffers per consumer do not fit in shared memory beside the
+    # ring (head dim 256; 64 with segment ids and 256-key tiles): refused
+    # by name, not dropped.
+    with pytest.raises(ValueError, match="chain_items=True needs two Q"):
+      _cuda_lowering(run, q, kv)
+    return
   text = _cuda_lowering(run, q, kv)
   # Forward, then dQ and dK/dV, or the one fused backward kernel.
   kernels = text.count("custom_call @mosaic_gpu")

@@ -69,7 +69,7 @@ def _mask_kwargs(name: str) -> dict:
 
 
 def _compile(fields: dict, head_dims: list[int], plugin: str | None,
-             mask: str = "causal") -> None:
+             mask: str = "causal", heads: int = 2) -> None:
   import jax  # noqa: PLC0415 (the child process only)
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import core  # noqa: PLC0415
@@ -87,7 +87,7 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None,
   for head_dim in head_dims:
     if head_dim > 128 and fields.get("fuse_dq"):
       continue  # the fused backward serves head dims up to 128
-    q = jnp.ones((1, 1024, 2, head_dim), jnp.bfloat16)
+    q = jnp.ones((1, 1024, heads, head_dim), jnp.bfloat16)
     kwargs = _mask_kwargs(mask)
     loss = lambda q, k, v: jflash.dot_product_attention(  # noqa: E731
         q, k, v, implementation=backend, **kwargs).astype(jnp.float32).sum()
@@ -138,6 +138,11 @@ def main() -> None:
                       help="also dump SASS (into --raw's file)")
   parser.add_argument("--mask", default="causal", choices=sorted(_MASKS),
                       help="the mask the kernels are compiled for")
+  parser.add_argument("--heads", type=int, default=2,
+                      help="heads of the [1, 1024, heads, H] inputs; with "
+                      "more than about 16 the persistent kernels get "
+                      "several items per CTA, whose code (the next item's "
+                      "loads, chain_items) is otherwise folded away")
   parser.add_argument("--compile-only", action="store_true",
                       help=argparse.SUPPRESS)
   parser.add_argument("--plugin", default=None, help=argparse.SUPPRESS)
@@ -145,13 +150,14 @@ def main() -> None:
   fields = _parse_config(args.config)
   head_dims = [int(h) for h in args.head_dims.split(",")]
   if args.compile_only:
-    _compile(fields, head_dims, args.plugin, args.mask)
+    _compile(fields, head_dims, args.plugin, args.mask, args.heads)
     return
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
   if args.sass:
     env["MOSAIC_GPU_DUMP_SASS"] = "1"
   child = [sys.executable, __file__, "--compile-only", "--head-dims",
-           args.head_dims, "--mask", args.mask, "--config", *args.config]
+           args.head_dims, "--mask", args.mask, "--heads", str(args.heads),
+           "--config", *args.config]
   if args.offline:
     root = os.path.abspath(args.offline)
     unpacked = os.path.join(root, "unpacked")

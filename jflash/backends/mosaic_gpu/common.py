@@ -313,20 +313,21 @@ class PersistentItems:
     return k, (lax.rem(k, self.num_heads), lax.div(flat, self.blocks_per_row),
                lax.rem(flat, self.blocks_per_row))
 
-  def for_each(self, block_order_ref, cta, work) -> None:
-    """``work(head, b, block, first_step, next_item) -> next first step``
-    over this CTA's items, threading a ring position through (it starts at
-    0); ``next_item`` is ``(exists, (head, b, block))`` of the CTA's next
-    item."""
-    def one(n, first_step):
+  def for_each(self, block_order_ref, cta, work, init=None) -> None:
+    """``work(head, b, block, carry, next_item) -> carry`` over this CTA's
+    items, threading ``carry`` through (by default a ring position that
+    starts at 0); ``next_item`` is ``(exists, (head, b, block))`` of the
+    CTA's next item."""
+    def one(n, carry):
       k, where = self.item_at(block_order_ref, cta, n)
       k_next, where_next = self.item_at(block_order_ref, cta, n + 1)
       return lax.cond(
           k < self.num_items,
-          lambda: work(*where, first_step,
+          lambda: work(*where, carry,
                        (k_next < self.num_items, where_next)),
-          lambda: first_step)
-    lax.fori_loop(0, self.passes, one, jnp.int32(0))
+          lambda: carry)
+    lax.fori_loop(0, self.passes, one,
+                  jnp.int32(0) if init is None else init)
 
 
 def schedule_row(order_ref, count_ref, batch_index, block_index):

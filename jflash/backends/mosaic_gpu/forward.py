@@ -52,6 +52,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         block_kv: int, stages: int,
                         overlap_qk: bool = False,
                         qk_after_pv: bool = False,
+                        chain_items: bool = False,
                         fma_exp2_columns: int = 0) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
@@ -77,6 +78,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     qk_after_pv: without ``overlap_qk``, issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
+    chain_items: with ``qk_after_pv``, an item's last turn also issues the
+      next item's first ``Q K^T``, so that the tensor cores have it queued
+      while this consumer writes the item's output.  Each consumer then
+      keeps two buffers that alternate between an item's Q and its
+      output, the next item's Q loading during this item's first step.
     fma_exp2_columns: of each key tile's ``block_kv`` columns, how many (a
       multiple of 8) take their exponentials on the FMA units instead of
       the special-function unit.
@@ -100,9 +106,25 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   # With room for a separate output buffer, the next item's Q is loaded
   # while this item's output is normalized and stored.
   segments = spec.has_segments
-  prefetch_q = _forward_smem_bytes(
+  with_output_buffer = _forward_smem_bytes(
       block_q, block_kv, stages, head_dim, dtype, segments,
-      separate_output=True) <= common.SMEM_LIMIT_BYTES
+      separate_output=True)
+  prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
+  if chain_items and (overlap_qk or not qk_after_pv):
+    raise ValueError(
+        f"MosaicGpuConfig.chain_items=True needs qk_after_pv=True and "
+        f"overlap_qk=False, got qk_after_pv={qk_after_pv}, "
+        f"overlap_qk={overlap_qk}")
+  if chain_items and not prefetch_q:
+    raise ValueError(
+        f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
+        f"{with_output_buffer} bytes of shared memory at head dim "
+        f"{head_dim}, block_q={block_q}, block_kv={block_kv}, "
+        f"stages={stages}, above the {common.SMEM_LIMIT_BYTES} available; "
+        f"use fewer stages or a narrower block_kv")
+  # Q buffers per consumer pair: with chain_items, buffer 2 * parity + wg
+  # holds the Q (then the output) of the items of that parity.
+  q_buffers = 4 if chain_items else 2
 
   def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
              block_order_ref, *rest):
@@ -115,8 +137,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     def item_at(n):
       return items.item_at(block_order_ref, cta, n)
 
-    def for_each_item(work):
-      items.for_each(block_order_ref, cta, work)
+    def for_each_item(work, init=None):
+      items.for_each(block_order_ref, cta, work, init)
 
     def body(q_smem2, o_smem2, k_smem, v_smem, lse_smem2, qseg_smem2,
              kvseg_smem, k_ready, v_ready, q_ready, kvseg_ready, k_free,
@@ -124,24 +146,40 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       if o_smem2 is None:
         o_smem2 = q_smem2  # the output leaves through Q's buffer
 
-      def load_q(head, b, q_block):
+      def q_buffer(parity):
+        """This consumer's Q buffer for items of ``parity``."""
+        return 2 * parity + wg if chain_items else wg
+
+      def load_q(head, b, q_block, parity=0):
         """Starts the copies of this consumer's Q rows (and their segment
-        ids) of an item."""
+        ids) of an item into its buffer for ``parity``."""
         q_base = (q_block * 2 + wg) * block_q
+        buf = q_buffer(parity)
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
-                                q_smem2.at[wg], q_ready.at[wg])
+                                q_smem2.at[buf], q_ready.at[buf])
         if q_seg_ref is not None:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
-                                  qseg_smem2.at[wg], q_ready.at[2 + wg])
+                                  qseg_smem2.at[buf],
+                                  q_ready.at[q_buffers + buf])
 
-      def consume_item(head, b, q_block, first_step, next_item):
+      def consume_item(head, b, q_block, carry, next_item):
         """One consumer's work on an item whose first K/V tile sits at
-        ring step ``first_step``; returns the next item's first step."""
+        ring step ``first_step``; returns the next item's first step (with
+        ``chain_items``, also the next item's buffer parity, whether its
+        first ``Q K^T`` was issued here, and that product)."""
+        if chain_items:
+          first_step, parity, pre, qk_pre = carry
+        else:
+          first_step, parity, pre, qk_pre = carry, 0, None, None
         count, tile_at = common.schedule_row(order_ref, count_ref, b,
                                              q_block)
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
-        qo_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+        buf = q_buffer(parity)
+        qo_smem = q_smem2.at[buf]
+        # With chain_items the output leaves through the item's Q buffer.
+        o_smem = qo_smem if chain_items else o_smem2.at[wg]
+        next_exists, next_where = next_item
         my_block = q_block * 2 + wg
         q_base = my_block * block_q
         if not prefetch_q:
@@ -151,10 +189,23 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           load_q(head, b, q_block)
         q_seg = None
         if q_seg_ref is not None:
-          plgpu.barrier_wait(q_ready.at[2 + wg])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+          plgpu.barrier_wait(q_ready.at[q_buffers + buf])
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[buf], layout=_ROW),
                                  tile)
-        plgpu.barrier_wait(q_ready.at[wg])
+        if chain_items:
+          # A chained item's Q was waited for before its first Q K^T.
+          pl.when(jnp.logical_not(pre))(
+              lambda: plgpu.barrier_wait(q_ready.at[buf]))
+        else:
+          plgpu.barrier_wait(q_ready.at[wg])
+
+        def prefetch_next():
+          """chain_items: once the previous item's output and logsumexp
+          copies have read their buffers, the next item's Q loads into the
+          buffer that held the previous item's."""
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          pl.when(next_exists)(
+              lambda: load_q(*next_where, parity=1 - parity))
 
         def masked(s, kv_tile, kv_seg):
           return spec.mask_tile(s, row_start=q_base, col_tile=kv_tile,
@@ -253,26 +304,49 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           (they complete in order)."""
           acc, m, l, qk, info = carry
           following = step_info(i + 1)
-          slot, after = slot_of(i), slot_of(i + 1)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
+          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(i), slot_of(i + 1),
+                                   qo_smem)
+          if chain_items:
+            pl.when(i == 0)(prefetch_next)
+          return acc, m, l, qk, following
 
+        def pv_then_scores(acc, qk, p_low, slot, after, q_smem,
+                           q_waited=None):
+          """``O += P V`` on ``slot``, then ``S = Q K^T`` on K's ``after``
+          slot (``q_smem`` holding Q, ready once ``q_waited`` completes when
+          given), the turn passed after both are issued; waits for both."""
           def products(refs):
             o_ref, qk_ref = refs
             plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+            if q_waited is not None:
+              plgpu.barrier_wait(q_waited)
             plgpu.barrier_wait(k_ready.at[after])
 
             # S's accumulator is allocated after P V is issued: zeros
             # materialized before it make ptxas zero 64 registers per step
             # instead of starting the product without an accumulator.
             def scores(s_ref):
-              plgpu.wgmma(s_ref, qo_smem, k_smem.at[after].transpose((1, 0)))
+              plgpu.wgmma(s_ref, q_smem, k_smem.at[after].transpose((1, 0)))
               common.pass_turn(wg)
               qk_ref[...] = s_ref[...]
             pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
           acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
           plgpu.barrier_arrive(v_free.at[slot])
           release_k_after_scores(after)
-          return acc, m, l, qk, following
+          return acc, qk
+
+        def last_step_chained(carry):
+          """chain_items: the item's last step issues ``O += P V`` and then
+          the next item's first ``S = Q' K^T`` (its Q in the other buffer,
+          its first K tile the ring's next slot) in one turn."""
+          acc, m, l, qk, info = carry
+          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
+          next_buf = q_buffer(1 - parity)
+          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(count - 1),
+                                   slot_of(count), q_smem2.at[next_buf],
+                                   q_waited=q_ready.at[next_buf])
+          return acc, m, l, qk, info
 
         def last_step(carry):
           """The item's last step: ``O += P V`` alone, and the turn passed
@@ -326,7 +400,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
                               _ROW)
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
-        @pl.when(count > 0)
+        # An item's first K tile is waited for here, or (chain_items) by the
+        # previous item's last step, which issued its first Q K^T.
+        first_k_due = count > 0
+        if chain_items:
+          first_k_due = jnp.logical_and(first_k_due, jnp.logical_not(pre))
+
+        @pl.when(first_k_due)
         def _():
           plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
         # The consumers alternate on the tensor cores: each waits for the
@@ -348,16 +428,35 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
-          qk = lax.cond(count > 0, first_scores, lambda: zeros)
+          if chain_items:
+            qk = lax.cond(pre, lambda: qk_pre,
+                          lambda: lax.cond(count > 0, first_scores,
+                                           lambda: zeros))
+            # Items of fewer than two steps have no chained step to load
+            # the next item's Q in.
+            pl.when(count <= 1)(prefetch_next)
+          else:
+            qk = lax.cond(count > 0, first_scores, lambda: zeros)
           carry = lax.fori_loop(0, count - 1, chained_step,
                                 (acc, m, l, qk, step_info(0)))
-          acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
-                                     carry)
+          if chain_items:
+            # Chain into the next item when it has a tile to visit.
+            next_head, next_b, next_block = next_where
+            chain = jnp.logical_and(
+                jnp.logical_and(next_exists, count > 0),
+                count_ref[next_b, next_block] > 0)
+            del next_head
+            acc, m, l, qk_next, _ = lax.cond(
+                chain, last_step_chained,
+                lambda c: lax.cond(count > 0, last_step, lambda c: c, c),
+                carry)
+          else:
+            acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
+                                       carry)
 
-        if prefetch_q:
+        if prefetch_q and not chain_items:
           # Every Q K^T of this item has completed: the next item's Q may
           # take the buffer while this one's output is written.
-          next_exists, next_where = next_item
           pl.when(next_exists)(lambda: load_q(*next_where))
           # The previous item's output and logsumexp copies must have read
           # their buffers.
@@ -373,6 +472,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
         plgpu.copy_smem_to_gmem(
             lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
+        if chain_items:
+          return first_step + count, 1 - parity, chain, qk_next
         return first_step + count
 
       @pl.when(wg < 2)
@@ -391,7 +492,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # consumer before the other's wait would complete the 256-thread
         # barrier without it, and the consumers would deadlock.)
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
-        for_each_item(consume_item)
+        init = None
+        if chain_items:
+          init = (jnp.int32(0), jnp.int32(0), jnp.bool_(False),
+                  plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
+                                    plgpu.Layout.WGMMA))
+        for_each_item(consume_item, init)
         pl.when(wg == 1)(lambda: common.wait_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
@@ -408,17 +514,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
     pl.run_scoped(
         body,
-        common.smem_tile((2, block_q, head_dim), dtype),
-        common.smem_tile((2, block_q, head_dim), dtype) if prefetch_q
-        else None,
+        common.smem_tile((q_buffers, block_q, head_dim), dtype),
+        common.smem_tile((2, block_q, head_dim), dtype)
+        if prefetch_q and not chain_items else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
         plgpu.SMEM((2, block_q), jnp.float32),
-        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+        plgpu.SMEM((q_buffers, block_q), jnp.int32) if segments else None,
         plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=4),
+        plgpu.Barrier(num_barriers=2 * q_buffers),
         plgpu.Barrier(num_barriers=stages) if segments else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
