@@ -90,16 +90,21 @@ def _forward_kernel_text(head_dim: int, **fields) -> str:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_forward_switches_reach_the_kernel(head_dim):
-  """qk_after_pv and fma_exp2_columns change the forward kernel that is
-  traced, not only the resolved configuration: the chained loop issues
-  more products (its first Q K^T before the loop, its last P V alone), and
+  """qk_after_pv, chain_items and fma_exp2_columns change the forward
+  kernel that is traced, not only the resolved configuration: the chained
+  loop issues more products (its first Q K^T before the loop, its last P V
+  alone; across items, a last step with the next item's Q K^T too), and
   the FMA exponentials bring integer bit operations the special-function
   path has none of."""
   default = _forward_kernel_text(head_dim, qk_after_pv=False)
   chained = _forward_kernel_text(head_dim, qk_after_pv=True)
+  across_items = _forward_kernel_text(head_dim, qk_after_pv=True,
+                                      chain_items=True)
   fma = _forward_kernel_text(head_dim, qk_after_pv=False,
                              fma_exp2_columns=32)
   assert chained.count("wgmma") > default.count("wgmma")
+  # chain_items adds the last step that also issues the next item's Q K^T.
+  assert across_items.count("wgmma") > chained.count("wgmma")
   assert "shift_left" not in default and "shift_left" in fma
   assert fma.count("bitcast_convert_type") > default.count(
       "bitcast_convert_type")
