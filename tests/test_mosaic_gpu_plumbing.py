@@ -76,6 +76,22 @@ def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
   assert mosaic_gpu.default_config(128, 4096, causal=True).qk_after_pv
 
 
+def test_chain_items_needs_the_qk_after_pv_loop():
+  """chain_items chains the qk_after_pv loop: without that loop (asked
+  for, or by default at head dim 64 and with segment ids) or with
+  overlap_qk it would be dropped, so it is refused by name."""
+  for fields, head_dim, kw in ((dict(qk_after_pv=False), 128, {}),
+                               ({}, 64, {}), ({}, 128, dict(segments=True)),
+                               (dict(overlap_qk=True), 128, {})):
+    with pytest.raises(ValueError, match="MosaicGpuConfig.chain_items=True"):
+      MosaicGpuConfig(chain_items=True, **fields).resolved(head_dim, **kw)
+  assert MosaicGpuConfig(chain_items=True).resolved(128).chain_items
+  assert MosaicGpuConfig(chain_items=True, qk_after_pv=True).resolved(
+      64, segments=True).chain_items
+  assert not any(mosaic_gpu.default_config(h).chain_items
+                 for h in (64, 128, 256))
+
+
 def _forward_kernel_text(head_dim: int, **fields) -> str:
   """The traced forward (its kernel body included) for a causal mask."""
   mask = masks.AttentionMask(batch=1, q_len=256, kv_len=256, is_causal=True)
