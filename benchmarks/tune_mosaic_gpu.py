@@ -4,10 +4,11 @@ the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 The search starts from the current tuned table (``tuned_config``, before
 the measured rules of ``default_config``) and changes one group of fields
 at a time: the forward tiling (block_q, block_kv, stages), then the
-forward's loop (``qk_after_pv``, ``chain_items``, ``overlap_qk``) and at head dim 64 the
-share of exponentials on the FMA units, timing the forward alone; then the backward's groups
-(dQ tiles, dK/dV tiles, ring depths, ``fuse_dq`` where the head dim allows
-it), timing forward+backward.
+forward's loop (``qk_after_pv``, ``chain_items``, ``overlap_qk``) and at
+head dim 64 the share of exponentials on the FMA units, timing the
+forward alone; then the backward's groups (dQ tiles, dK/dV tiles, ring
+depths, ``fuse_dq`` where the head dim allows it), timing
+forward+backward.
 
 Every candidate is timed against the incumbent (the best configuration so
 far) with their timing groups interleaved, on every mask asked for

@@ -110,11 +110,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       block_q, block_kv, stages, head_dim, dtype, segments,
       separate_output=True)
   prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
-  if chain_items and (overlap_qk or not qk_after_pv):
-    raise ValueError(
-        f"MosaicGpuConfig.chain_items=True needs qk_after_pv=True and "
-        f"overlap_qk=False, got qk_after_pv={qk_after_pv}, "
-        f"overlap_qk={overlap_qk}")
+  # MosaicGpuConfig.resolved refuses chain_items without this loop.
+  assert not chain_items or (qk_after_pv and not overlap_qk)
   if chain_items and not prefetch_q:
     raise ValueError(
         f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
@@ -441,11 +438,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                 (acc, m, l, qk, step_info(0)))
           if chain_items:
             # Chain into the next item when it has a tile to visit.
-            next_head, next_b, next_block = next_where
+            _, next_b, next_block = next_where
             chain = jnp.logical_and(
                 jnp.logical_and(next_exists, count > 0),
                 count_ref[next_b, next_block] > 0)
-            del next_head
             acc, m, l, qk_next, _ = lax.cond(
                 chain, last_step_chained,
                 lambda c: lax.cond(count > 0, last_step, lambda c: c, c),
