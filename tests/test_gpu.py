@@ -250,45 +250,6 @@ _MANY_ITEMS_CASES = [
     (128, 2048, True, 256, {}), (256, 1024, True, None, {})]
 
 
-@pytest.mark.parametrize("feature,head_dim", [
-    ("plain", 128), ("causal", 128), ("segments", 128), ("combined", 128),
-    ("causal", 64), ("causal", 256), ("lengths", 256)])
-def test_mosaic_gpu_variant_heads_outer_matches_the_default_order(
-    feature, head_dim):
-  """``heads_outer`` (the persistent kernels' items taken head by head)
-  at a shape with more items than SMs: output and gradients bitwise equal
-  to the default order's (each item computes the same products in the
-  same order, whichever CTA takes it), and near the float32 reference."""
-  from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-  rng, seed = conformance.new_rng()
-  case = conformance.build_case(rng, feature, dtype=jnp.bfloat16, batch=2,
-                                q_len=1100, kv_len=1300, heads=16,
-                                kv_heads=4, head_dim=head_dim)
-  case.bias = case.mask = None
-  cot = random_normal(rng, case.query.shape, jnp.bfloat16)
-
-  def run(heads_outer):
-    backend = MosaicGpuBackend(MosaicGpuConfig(heads_outer=heads_outer))
-
-    def f(q, k, v):
-      return case.call_jflash(q, k, v, None, implementation=backend)
-
-    def both(*a):
-      out, vjp = jax.vjp(f, *a)
-      return out, vjp(cot)
-    return jax.jit(both)(*case.arrays[:3])
-
-  out, grads = run(True)
-  base_out, base_grads = run(False)
-  for name, got, want in zip(["out", "dq", "dk", "dv"], (out, *grads),
-                             (base_out, *base_grads)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
-                                  err_msg=f"{name} seed={seed}")
-  ref = case.call_reference(*(a.astype(jnp.float32)
-                              for a in case.arrays[:3]), None)[0]
-  assert rel_err(out, ref) < 1e-2, seed
-
-
 def test_mosaic_gpu_many_items_per_cta_finish_and_match():
   """The persistent kernels at the benchmark grid's shapes, where each CTA
   loops over dozens of items of varying length (causal, windows, head dims

@@ -7,7 +7,6 @@ included) for each head dim.  The kernels themselves run in
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 
 import jax
@@ -125,25 +124,6 @@ def test_forward_switches_reach_the_kernel(head_dim):
   assert "shift_left" not in default and "shift_left" in fma
   assert fma.count("bitcast_convert_type") > default.count(
       "bitcast_convert_type")
-
-
-def test_heads_outer_reaches_the_kernels():
-  """heads_outer changes the item lookup of the traced forward and
-  backward kernels (the head is a quotient of the item index instead of a
-  remainder), not only the resolved configuration."""
-  def text(**fields):
-    mask = masks.AttentionMask(batch=1, q_len=256, kv_len=256,
-                               is_causal=True)
-    plan = mosaic_gpu._Plan(
-        spec=MaskSpec.of(mask), logits=LogitTransform(0.1, None),
-        config=MosaicGpuConfig(**fields).resolved(64), head_dim=64)
-    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-
-    def loss(q, k, v):
-      return mosaic_gpu._attention(q, k, v, mask, plan)[0].astype(
-          jnp.float32).sum()
-    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
-  assert text(heads_outer=True) != text(heads_outer=False)
 
 
 def test_exp2_on_fma_matches_exp2_and_gives_zero_for_minus_infinity():
@@ -738,18 +718,15 @@ def test_row_statistics_sum_adds_in_the_halving_order(width):
   np.testing.assert_array_equal(got, want[..., 0])
 
 
-@pytest.mark.parametrize("heads_outer", [False, True])
 @pytest.mark.parametrize("num_heads,batch,blocks", [(16, 1, 8), (3, 2, 5),
                                                     (1, 1, 1), (64, 4, 16)])
-def test_persistent_items_deal_every_item_once(num_heads, batch, blocks,
-                                               heads_outer):
+def test_persistent_items_deal_every_item_once(num_heads, batch, blocks):
   """Every (head, batch row, block) goes to exactly one CTA of a persistent
-  kernel, as the block order places it (each row block's heads together,
-  or with ``heads_outer`` each head's row blocks together), and no CTA
-  gets more than one item above another."""
+  kernel, as the block order places it, and no CTA gets more than one
+  item above another."""
   rng = _rng()
   block_order = jnp.asarray(rng.permutation(batch * blocks), jnp.int32)
-  items = common.PersistentItems.over(num_heads, batch, blocks, heads_outer)
+  items = common.PersistentItems.over(num_heads, batch, blocks)
   assert items.num_ctas == min(num_heads * batch * blocks, common.num_sms())
   seen, per_cta = [], []
   for cta in range(items.num_ctas):
@@ -758,16 +735,11 @@ def test_persistent_items_deal_every_item_once(num_heads, batch, blocks,
       k, (head, b, block) = items.item_at(block_order, jnp.int32(cta),
                                           jnp.int32(n))
       if int(k) < items.num_items:
-        if heads_outer:
-          want_head, position = divmod(int(k), batch * blocks)
-        else:
-          position, want_head = divmod(int(k), num_heads)
-        flat = int(block_order[position])
+        flat = int(block_order[int(k) // num_heads])
         assert (int(head), int(b), int(block)) == (
-            want_head, flat // blocks, flat % blocks)
-        mine.append((int(head), int(b), int(block)))
+            int(k) % num_heads, flat // blocks, flat % blocks)
+        mine.append(int(k))
     seen += mine
     per_cta.append(len(mine))
-  assert sorted(seen) == sorted(itertools.product(
-      range(num_heads), range(batch), range(blocks)))
+  assert sorted(seen) == list(range(num_heads * batch * blocks))
   assert max(per_cta) - min(per_cta) <= 1

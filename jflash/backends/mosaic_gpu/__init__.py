@@ -272,7 +272,7 @@ def _forward(q, k, v, mask, plan: _Plan):
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
       overlap_qk=c.overlap_qk, qk_after_pv=c.qk_after_pv,
-      chain_items=c.chain_items, heads_outer=c.heads_outer,
+      chain_items=c.chain_items,
       fma_exp2_columns=c.fma_exp2_columns)
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
@@ -381,7 +381,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
       classes=classes, block_order=block_order, block_q=c.block_q_dq,
       block_kv=c.block_kv_dq, stages=c.stages_dq,
-      overlap_sdp=c.overlap_sdp, heads_outer=c.heads_outer, **common_args)
+      overlap_sdp=c.overlap_sdp, **common_args)
   # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
   # the two consumers then share their keys, one output each.
   split_outputs = pads.head_pad > 128
@@ -392,8 +392,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
       block_order=block_order,
       block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,
-      split_outputs=split_outputs, overlap_sdp=c.overlap_sdp,
-      heads_outer=c.heads_outer, **common_args)
+      split_outputs=split_outputs, overlap_sdp=c.overlap_sdp, **common_args)
   return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 
 

@@ -256,8 +256,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     logits: LogitTransform, block_q: int, block_kv: int,
                     stages: int,
                     split_outputs: bool = False,
-                    overlap_sdp: bool = False,
-                    heads_outer: bool = False) -> tuple[Array, Array]:
+                    overlap_sdp: bool = False) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
   Args:
@@ -274,8 +273,6 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       accumulators do not fit in one warpgroup's registers (256): the CTA
       still reads Q and dO once for both outputs, and forms ``P`` once (in
       the dV warpgroup, which hands it over through shared memory).
-    heads_outer: take the items K/V head by head (see
-      :class:`~jflash.backends.mosaic_gpu.common.PersistentItems`).
 
   Returns:
     ``(dk, dv)``, each ``[B, Sp, K, Hp]`` in the input dtype.
@@ -291,8 +288,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                             q_segments=q_segments, kv_segments=kv_segments)
 
   num_kv_blocks = kv_pad // keys_per_cta
-  items = common.PersistentItems.over(num_kv_heads, batch, num_kv_blocks,
-                                      heads_outer)
+  items = common.PersistentItems.over(num_kv_heads, batch, num_kv_blocks)
   segments = spec.has_segments
   # With room for separate output buffers, the next item's keys are loaded
   # as soon as this item's loop ends, while its dK and dV are written.

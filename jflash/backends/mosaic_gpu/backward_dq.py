@@ -36,8 +36,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                    q_segments: Array | None, kv_segments: Array | None,
                    spec: MaskSpec, logits: LogitTransform, block_q: int,
                    block_kv: int, stages: int,
-                   overlap_sdp: bool = False,
-                   heads_outer: bool = False) -> Array:
+                   overlap_sdp: bool = False) -> Array:
   """dQ on padded inputs (layouts as in
   :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
 
@@ -50,8 +49,6 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       the tile visited at each step for each consumer's ``block_q`` rows.
     block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
       take query blocks (:func:`jflash.masks.heaviest_first`).
-    heads_outer: take the items head by head (see
-      :class:`~jflash.backends.mosaic_gpu.common.PersistentItems`).
 
   Returns:
     ``dq [B, Tp, N, Hp]`` in the input dtype.
@@ -70,8 +67,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   # after the step has released K.
   dp_first = stages == 1
 
-  items = common.PersistentItems.over(num_heads, batch, num_q_blocks,
-                                      heads_outer)
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
   segments = spec.has_segments
   # With room for a separate output buffer, the next item's Q, dO and row
   # statistics load as soon as this item's loop ends, while its dQ is

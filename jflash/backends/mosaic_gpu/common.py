@@ -278,27 +278,21 @@ class PersistentItems:
 
   Items go longest first: row blocks in a :func:`jflash.masks.heaviest_first`
   order (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
-  row block together.  With ``heads_outer`` the heads go one after another
-  instead, each through every row block in that order, so that the CTAs
-  running at once stream the K/V (or Q/dO) of one or two heads rather
-  than of every head, which keeps them in L2 at long sequences.  Pass
-  ``n`` deals ``num_ctas`` items to the CTAs, forwards when ``n`` is even
-  and backwards when odd, so that every CTA gets a like share of long and
-  short items.
+  row block together.  Pass ``n`` deals ``num_ctas`` items to the CTAs,
+  forwards when ``n`` is even and backwards when odd, so that every CTA
+  gets a like share of long and short items.
   """
 
   num_heads: int
   batch: int
   blocks_per_row: int
   num_ctas: int
-  heads_outer: bool = False
 
   @classmethod
-  def over(cls, num_heads: int, batch: int, blocks_per_row: int,
-           heads_outer: bool = False) -> "PersistentItems":
+  def over(cls, num_heads: int, batch: int,
+           blocks_per_row: int) -> "PersistentItems":
     items = num_heads * batch * blocks_per_row
-    return cls(num_heads, batch, blocks_per_row, min(items, num_sms()),
-               heads_outer)
+    return cls(num_heads, batch, blocks_per_row, min(items, num_sms()))
 
   @property
   def num_items(self) -> int:
@@ -314,15 +308,9 @@ class PersistentItems:
     the caller skips it)."""
     lane = jnp.where(lax.rem(n, 2) == 0, cta, self.num_ctas - 1 - cta)
     k = n * self.num_ctas + lane
-    last = jnp.minimum(k, self.num_items - 1)
-    if self.heads_outer:
-      blocks = self.batch * self.blocks_per_row
-      head = lax.div(last, blocks)
-      flat = block_order_ref[lax.rem(last, blocks)]
-    else:
-      head = lax.rem(k, self.num_heads)
-      flat = block_order_ref[lax.div(last, self.num_heads)]
-    return k, (head, lax.div(flat, self.blocks_per_row),
+    flat = block_order_ref[lax.div(jnp.minimum(k, self.num_items - 1),
+                                   self.num_heads)]
+    return k, (lax.rem(k, self.num_heads), lax.div(flat, self.blocks_per_row),
                lax.rem(flat, self.blocks_per_row))
 
   def for_each(self, block_order_ref, cta, work, init=None) -> None:

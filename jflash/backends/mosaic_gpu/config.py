@@ -6,7 +6,7 @@ import dataclasses
 
 
 _SWITCHES = ("overlap_qk", "fuse_dq", "overlap_sdp", "qk_after_pv",
-             "chain_items", "heads_outer")
+             "chain_items")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
 _FUSED_ONLY = ("dq_slots",)
 _DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
@@ -81,14 +81,6 @@ class MosaicGpuConfig:
       about ``j`` steps for its first turn; with ``n`` it waits about
       ``j / n``.  Each accumulator takes ``4 * B * T * N * H`` bytes of
       device memory.  Only read when ``fuse_dq`` is set.
-    heads_outer: the order in which the persistent forward, dQ and dK/dV
-      kernels take their items (a block of rows or keys of one head):
-      head by head, each head through every block, instead of block by
-      block with every head together.  The CTAs running at once then
-      stream the keys and values (or queries and output gradients) of one
-      or two heads, not of all, which at long sequences keeps them in L2.
-      The same items in another order: the result is bitwise the same.
-      (The fused backward keeps its own order.)
   """
 
   block_q: int | None = None
@@ -107,7 +99,6 @@ class MosaicGpuConfig:
   qk_after_pv: bool | None = None
   chain_items: bool | None = None
   fma_exp2_columns: int | None = None
-  heads_outer: bool | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -231,19 +222,19 @@ _DEFAULTS = {
                         stages_dq=2, stages_dkv=2, overlap_qk=False,
                         fuse_dq=False, dq_slots=4, overlap_sdp=True,
                         qk_after_pv=False, chain_items=False,
-                        fma_exp2_columns=0, heads_outer=False),
+                        fma_exp2_columns=0),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2, overlap_qk=False,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
                          qk_after_pv=True, chain_items=False,
-                         fma_exp2_columns=0, heads_outer=False),
+                         fma_exp2_columns=0),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2, overlap_qk=False,
                          fuse_dq=False, dq_slots=4, overlap_sdp=False,
                          qk_after_pv=False, chain_items=False,
-                         fma_exp2_columns=0, heads_outer=False),
+                         fma_exp2_columns=0),
 }
 
 

@@ -53,7 +53,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         overlap_qk: bool = False,
                         qk_after_pv: bool = False,
                         chain_items: bool = False,
-                        heads_outer: bool = False,
                         fma_exp2_columns: int = 0) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
@@ -87,10 +86,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     fma_exp2_columns: of each key tile's ``block_kv`` columns, how many (a
       multiple of 8) take their exponentials on the FMA units instead of
       the special-function unit.
-    heads_outer: take the items head by head, each head through every
-      query block, instead of query block by query block with every head
-      together (the item order of
-      :class:`~jflash.backends.mosaic_gpu.common.PersistentItems`).
 
   Returns:
     ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
@@ -107,8 +102,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                   q_segments=q_segments, kv_segments=kv_segments)
   optional_names = [n for n, x in optional.items() if x is not None]
 
-  items = common.PersistentItems.over(num_heads, batch, num_q_blocks,
-                                      heads_outer)
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
   # With room for a separate output buffer, the next item's Q is loaded
   # while this item's output is normalized and stored.
   segments = spec.has_segments
