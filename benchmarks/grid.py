@@ -33,6 +33,7 @@ from benchmarks.cells import (FULL, PASS_FLOP_FACTOR, PASSES, TINY, Cell,
                               forward_flops, make_segment_ids, tflops,
                               visible_pairs)
 from benchmarks.impls import Impl, Unsupported
+from benchmarks.clocks import ClockSampler, summarize_windows
 from benchmarks.timing import METHODS, TimerConfig, time_functions
 
 BASELINE = "jax_nn_cudnn"
@@ -67,12 +68,15 @@ class CellRunner:
       changes during the cell fall on all of them alike; False times them
       one after another.
     progress: called with a short label after each (implementation, pass).
+    clocks: a running :class:`benchmarks.clocks.ClockSampler`, or None;
+      with one, each timed entry gets ``clocks``: the median over its
+      timing groups of the SM clock (MHz) and board power (W).
   """
 
   def __init__(self, impls: list[Impl], timer: TimerConfig, *,
                dtype=jnp.bfloat16, passes=PASSES, input_sets: int = 3,
                check_heads: int = 1, seed: int = 0, skip_slow: bool = False,
-               interleave: bool = True, progress=None):
+               interleave: bool = True, progress=None, clocks=None):
     self.impls = impls
     self.timer = timer
     self.dtype = dtype
@@ -83,6 +87,7 @@ class CellRunner:
     self.skip_slow = skip_slow
     self.interleave = interleave
     self.progress = progress or (lambda label: None)
+    self.clocks = clocks
 
   def _rows(self, cell: Cell, pairs: int, seg: np.ndarray | None) -> dict:
     flops = forward_flops(cell, pairs)
@@ -200,7 +205,13 @@ class CellRunner:
         entry["error"] = _summarize(timing["error"])
         _free()
         continue
+      windows = timing.pop("windows")
       entry.update(timing, tflops=tflops(row["flops"], timing["ms"]))
+      if self.clocks is not None:
+        seen = summarize_windows([self.clocks.window(a, b)
+                                  for a, b in windows])
+        if seen is not None:
+          entry["clocks"] = seen
       if row["kind"] != "dense":
         entry["tflops_dense_equiv"] = tflops(row["flops_dense_equiv"],
                                              timing["ms"])
@@ -279,6 +290,9 @@ def _parse_args(argv):
                  help="default: benchmarks/results/<date>-<device>")
   p.add_argument("--no-png", action="store_true")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--clocks", action="store_true",
+                 help="sample the GPU's SM clock and power (nvidia-smi) "
+                 "during each timing group and record them per entry")
   return p.parse_args(argv)
 
 
@@ -294,6 +308,9 @@ def _progress_bar(total: int, disable: bool):
 
 def main(argv: list[str] | None = None) -> int:
   args = _parse_args(argv)
+  if args.clocks and not ClockSampler.available():
+    print("--clocks: nvidia-smi not found", file=sys.stderr)
+    return 2
   on_cpu = jax.default_backend() == "cpu"
   spec: GridSpec = TINY if args.tiny or (args.quick and on_cpu) else FULL
   cells = spec.quick_cells() if args.quick else spec.cells()
@@ -356,12 +373,17 @@ def main(argv: list[str] | None = None) -> int:
   say(f"{meta['device']['kind']}: {len(cells)} cells x {len(impls)} "
       f"implementations x {len(passes)} passes, {args.dtype}, timer "
       f"{timer.method}, out {out}")
+  clocks = None
+  if args.clocks:
+    clocks = ClockSampler().start()
+    meta["clocks"] = "SM MHz and board W from nvidia-smi -lms 10, mean per "\
+        "timing group, median over groups"
   runner = CellRunner(impls, timer, dtype=jnp.dtype(args.dtype),
                       passes=passes, input_sets=args.input_sets,
                       check_heads=args.check_heads, seed=seed,
                       skip_slow=args.skip_slow,
                       interleave=not args.sequential_timing,
-                      progress=progress)
+                      progress=progress, clocks=clocks)
   doc = dict(meta=meta, rows=[], complete=False)
   start = time.perf_counter()
   for index, cell in enumerate(cells):
@@ -377,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     report.write_outputs(doc, out, png=False)
   if bar is not None:
     bar.close()
+  if clocks is not None:
+    clocks.close()
   doc["complete"] = True
   doc["meta"]["finished"] = datetime.datetime.now(
       datetime.timezone.utc).isoformat(timespec="seconds")

@@ -196,6 +196,9 @@ def markdown(doc: dict) -> str:
       cells.append(text)
     lines.append("| " + " | ".join(cells) + " |")
 
+  if any("clocks" in e for row in rows for e in row["impls"].values()):
+    lines += _clock_lines(rows, impls)
+
   notes: dict[tuple[str, str, str], list[str]] = {}
   for row in rows:
     for impl, e in row["impls"].items():
@@ -210,6 +213,36 @@ def markdown(doc: dict) -> str:
       lines.append(f"- {impl}, {key} ({len(where)}: {', '.join(where)}): "
                    f"{reason}")
   return "\n".join(lines) + "\n"
+
+
+def _clock_lines(rows: list[dict], impls: list[str]) -> list[str]:
+  """The clocks section: per cell, pass and implementation, the SM clock
+  and board power while it was timed, and TFLOP/s per GHz."""
+  lines = ["", "## Clocks", "",
+           "SM clock (MHz) and board power (W) while each implementation "
+           "was timed (`--clocks`: nvidia-smi readings, mean per timing "
+           "group, median over groups), and TFLOP/s per GHz of that clock: "
+           "under the power limit a kernel that draws more power runs at a "
+           "lower clock.", ""]
+  header = ["cell"] + [f"{i} {PASS_LABEL[p]}" for p in PASSES for i in impls]
+  lines += ["| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header)]
+  for name, by_pass in _grouped(rows).items():
+    cells = [_cell_label(next(iter(by_pass.values())))]
+    for p in PASSES:
+      entries = by_pass.get(p, {}).get("impls", {})
+      for impl in impls:
+        clocks = entries.get(impl, {}).get("clocks")
+        if not clocks:
+          cells.append("")
+          continue
+        text = f"{clocks['sm_mhz']} MHz {clocks['watts']} W"
+        if "tflops" in entries[impl] and clocks["sm_mhz"] > 0:
+          per_ghz = entries[impl]["tflops"] / (clocks["sm_mhz"] / 1000)
+          text += f", {fmt_number(per_ghz)}/GHz"
+        cells.append(text)
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
 
 
 def write_outputs(doc: dict, out_dir: Path, *, png: bool = True) -> list[str]:

@@ -78,7 +78,8 @@ def time_function(fn: Callable, input_sets: Sequence[tuple],
 
   Returns:
     ``ms`` (median per-call time), ``ms_groups`` (every group's per-call
-    time), ``calls`` (per group, after the budget) and ``repeats``.
+    time), ``calls`` (per group, after the budget), ``repeats`` and
+    ``windows`` (each group's start and end on ``time.perf_counter``).
 
   Raises:
     Whatever ``fn`` raises.
@@ -108,21 +109,25 @@ def time_functions(fns: Sequence[Callable], input_sets: Sequence[tuple],
     except Exception as err:  # noqa: BLE001 (reported per function)
       timers.append(err)
   groups: list[list[float]] = [[] for _ in fns]
+  windows: list[list[tuple[float, float]]] = [[] for _ in fns]
   for r in range(cfg.repeats):
     for i, timer in enumerate(timers):
       if isinstance(timer, Exception):
         continue
       try:
+        start = time.perf_counter()
         groups[i].append(timer.group(r))
+        windows[i].append((start, time.perf_counter()))
       except Exception as err:  # noqa: BLE001 (reported per function)
         timers[i] = err
   results = []
-  for timer, times in zip(timers, groups):
+  for timer, times, spans in zip(timers, groups, windows):
     if isinstance(timer, Exception):
       results.append({"error": timer})
     else:
       results.append(dict(ms=statistics.median(times), ms_groups=times,
-                          calls=timer.calls, repeats=cfg.repeats))
+                          calls=timer.calls, repeats=cfg.repeats,
+                          windows=spans))
   return results
 
 
