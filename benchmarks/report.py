@@ -196,6 +196,8 @@ def markdown(doc: dict) -> str:
       cells.append(text)
     lines.append("| " + " | ".join(cells) + " |")
 
+  lines += _sparse_lines(rows, impls)
+
   if any("clocks" in e for row in rows for e in row["impls"].values()):
     lines += _clock_lines(rows, impls)
 
@@ -213,6 +215,44 @@ def markdown(doc: dict) -> str:
       lines.append(f"- {impl}, {key} ({len(where)}: {', '.join(where)}): "
                    f"{reason}")
   return "\n".join(lines) + "\n"
+
+
+def _dense_causal_twin(row: dict, rows: list[dict]) -> dict | None:
+  """The dense causal row of the same shape and pass as a windowed or
+  segment row, if the run has it."""
+  shape = ("B", "T", "S", "N", "K", "H", "pass")
+  for other in rows:
+    if (other["kind"] == "dense" and other["causal"]
+        and all(other[k] == row[k] for k in shape)):
+      return other
+  return None
+
+
+def _sparse_lines(rows: list[dict], impls: list[str]) -> list[str]:
+  """Windowed and segment cells against the dense causal cell of the same
+  shape: TFLOP/s over visible pairs as a share of the dense causal
+  TFLOP/s of the same implementation (the target is at least 80%)."""
+  pairs = [(row, twin) for row in rows if row["kind"] != "dense"
+           for twin in [_dense_causal_twin(row, rows)] if twin is not None]
+  if not pairs:
+    return []
+  lines = ["", "## Sparse cells against dense causal", "",
+           "TFLOP/s of a windowed or packed-segment cell (visible pairs "
+           "only) as a share of the same implementation's TFLOP/s on the "
+           "dense causal cell of the same shape (target: at least 80%).",
+           ""]
+  lines += ["| cell | pass | " + " | ".join(impls) + " |",
+            "|" + "---|" * (len(impls) + 2)]
+  for row, twin in pairs:
+    cells = [_cell_label(row), PASS_LABEL[row["pass"]]]
+    for impl in impls:
+      mine, dense = row["impls"].get(impl, {}), twin["impls"].get(impl, {})
+      if "tflops" in mine and dense.get("tflops"):
+        cells.append(f"{100 * mine['tflops'] / dense['tflops']:.0f}%")
+      else:
+        cells.append("")
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
 
 
 def _clock_lines(rows: list[dict], impls: list[str]) -> list[str]:

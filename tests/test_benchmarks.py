@@ -394,3 +394,30 @@ def test_configured_column_passes_its_fields_to_the_hopper_kernels():
 def test_configured_column_rejects_bad_fields_by_name(text, named):
   with pytest.raises(ValueError, match=named):
     impls.make_impls([f"jflash:{text}"])
+
+
+def test_grid_md_compares_sparse_cells_with_dense_causal():
+  """Windowed and segment cells are shown as a share of the dense causal
+  cell of the same shape and pass, per implementation; a cell without its
+  dense causal twin in the run is left out."""
+  def row(name, kind, causal, passname, tflops, S=64):
+    return dict(name=name, kind=kind, causal=causal, B=1, T=S, S=S, N=2,
+                K=2, H=16, window=None, segments=0, **{"pass": passname},
+                impls={"a": {"tflops": tflops[0], "ms": 1.0},
+                       "b": ({"tflops": tflops[1], "ms": 1.0}
+                             if tflops[1] else {"unsupported": "no"})})
+  rows = [row("S64-causal", "dense", True, "fwd", (400.0, 500.0)),
+          row("S64-causal", "dense", True, "fwdbwd", (300.0, 200.0)),
+          row("S64-w16", "window", True, "fwd", (300.0, 250.0)),
+          row("S64-w16", "window", True, "fwdbwd", (270.0, None)),
+          row("S128-seg3", "segments", False, "fwd", (100.0, 100.0), S=128)]
+  doc = dict(meta=dict(report.run_metadata("abc123"), dtype="bfloat16",
+                       timer=FAST.describe(), input_sets=1,
+                       impls=["a", "b"]), rows=rows)
+  md = report.markdown(doc)
+  section = md[md.index("## Sparse cells against dense causal"):]
+  assert "| `S64-w16` B=1 N=2 | fwd | 75% | 50% |" in section
+  assert "| `S64-w16` B=1 N=2 | fwd+bwd | 90% |  |" in section
+  assert "S128-seg3" not in section
+  dense_only = dict(doc, rows=rows[:2])
+  assert "## Sparse cells" not in report.markdown(dense_only)
