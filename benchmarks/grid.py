@@ -401,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
   if clocks is not None:
     clocks.close()
+    if not clocks.samples:
+      doc["meta"]["clocks"] = "requested, but nvidia-smi gave no readings"
+      say("--clocks: nvidia-smi gave no readings")
   doc["complete"] = True
   doc["meta"]["finished"] = datetime.datetime.now(
       datetime.timezone.utc).isoformat(timespec="seconds")

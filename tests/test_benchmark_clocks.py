@@ -1,6 +1,8 @@
 """The GPU clock sampler of the benchmarks (CPU): readings parsed, stamped
 as they are taken, averaged per timing group, and shown in grid.md."""
 
+import json
+import os
 import stat
 import sys
 import time
@@ -126,3 +128,40 @@ def test_grid_entries_carry_clocks_and_grid_md_shows_them(fake_smi,
       k: {f: v for f, v in e.items() if f != "clocks"}
       for k, e in r["impls"].items()}) for r in rows])
   assert "## Clocks" not in report.markdown(without)
+
+
+@pytest.mark.parametrize("readings", [True, False])
+def test_grid_command_with_clocks(tmp_path, monkeypatch, readings):
+  """``--clocks`` end to end with a stand-in nvidia-smi on PATH: every
+  timed entry carries its clocks, or, when the program gives no readings,
+  the run says so in its metadata instead of leaving them out silently."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  smi = bin_dir / "nvidia-smi"
+  line = "1700, 550.0" if readings else "[N/A], [N/A]"
+  smi.write_text(f"#!{sys.executable}\nimport time\nwhile True:\n"
+                 f"    print({line!r}, flush=True)\n    time.sleep(0.005)\n")
+  smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+  monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+  out = tmp_path / "out"
+  assert grid.main(["--quick", "--clocks", "--impls", "jax_nn_xla",
+                    "--passes", "fwd", "--calls", "2", "--repeats", "2",
+                    "--out", str(out), "--no-png", "--no-progress"]) == 0
+  doc = json.loads((out / "grid.json").read_text())
+  entries = [e for row in doc["rows"] for e in row["impls"].values()
+             if "tflops" in e]
+  assert entries
+  if readings:
+    assert all(e["clocks"]["sm_mhz"] == 1700 for e in entries)
+    assert "## Clocks" in (out / "grid.md").read_text()
+  else:
+    assert not any("clocks" in e for e in entries)
+    assert "no readings" in doc["meta"]["clocks"]
+
+
+def test_grid_command_refuses_clocks_without_nvidia_smi(tmp_path,
+                                                        monkeypatch):
+  monkeypatch.setenv("PATH", str(tmp_path))
+  assert grid.main(["--quick", "--clocks", "--out",
+                    str(tmp_path / "out")]) == 2
+  assert not (tmp_path / "out").exists()
