@@ -108,7 +108,7 @@ class ClockSampler:
     return shutil.which(command) is not None
 
   def start(self) -> "ClockSampler":
-    if shutil.which(self.argv[0]) is None:
+    if not self.available(self.argv[0]):
       raise FileNotFoundError(f"{self.argv[0]} not found: the GPU clock "
                               f"cannot be sampled")
     # A terminal for its output, so that nvidia-smi writes each reading as

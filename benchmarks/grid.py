@@ -32,8 +32,8 @@ from benchmarks.cells import (FULL, PASS_FLOP_FACTOR, PASSES, TINY, Cell,
                               GridSpec, dense_flops, filter_cells,
                               forward_flops, make_segment_ids, tflops,
                               visible_pairs)
-from benchmarks.impls import Impl, Unsupported
 from benchmarks.clocks import ClockSampler, summarize_windows
+from benchmarks.impls import Impl, Unsupported
 from benchmarks.timing import METHODS, TimerConfig, time_functions
 
 BASELINE = "jax_nn_cudnn"
@@ -386,21 +386,25 @@ def main(argv: list[str] | None = None) -> int:
                       progress=progress, clocks=clocks)
   doc = dict(meta=meta, rows=[], complete=False)
   start = time.perf_counter()
-  for index, cell in enumerate(cells):
-    if args.time_budget and time.perf_counter() - start > args.time_budget:
-      rows = runner.skipped(cell, f"--time-budget {args.time_budget:g} s")
-      if bar is not None:
-        bar.update(len(impls) * len(passes))
-    else:
-      rows = runner.run(cell, index)
-      say(cell_summary(rows, f"{index + 1}/{len(cells)}"))
-    doc["rows"].extend(rows)
-    doc["elapsed_s"] = round(time.perf_counter() - start, 1)
-    report.write_outputs(doc, out, png=False)
+  try:
+    for index, cell in enumerate(cells):
+      if args.time_budget and time.perf_counter() - start > args.time_budget:
+        rows = runner.skipped(cell, f"--time-budget {args.time_budget:g} s")
+        if bar is not None:
+          bar.update(len(impls) * len(passes))
+      else:
+        rows = runner.run(cell, index)
+        say(cell_summary(rows, f"{index + 1}/{len(cells)}"))
+      doc["rows"].extend(rows)
+      doc["elapsed_s"] = round(time.perf_counter() - start, 1)
+      report.write_outputs(doc, out, png=False)
+  finally:
+    # A run that stops early must not leave nvidia-smi polling.
+    if clocks is not None:
+      clocks.close()
   if bar is not None:
     bar.close()
   if clocks is not None:
-    clocks.close()
     if not clocks.samples:
       doc["meta"]["clocks"] = "requested, but nvidia-smi gave no readings"
       say("--clocks: nvidia-smi gave no readings")
