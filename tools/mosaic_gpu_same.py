@@ -31,7 +31,8 @@ _CELLS = ((128, 16384, False, None, None), (128, 16384, True, None, None),
           (128, 1024, False, None, None), (128, 1024, True, None, None),
           (128, 4096, True, None, "softcap"), (64, 4096, True, None, "softcap"),
           (128, 16384, False, None, "segments"),
-          (64, 4096, False, None, "segments"))
+          (64, 4096, False, None, "segments"),
+          (256, 16384, False, None, None), (256, 1024, True, None, None))
 _SEGMENTS = 8
 
 
@@ -43,6 +44,8 @@ def _digest(x) -> str:
 def _parse_config(items: list[str]) -> dict:
   """``["fuse_dq=true", "stages=3"]`` -> MosaicGpuConfig fields
   (:func:`benchmarks.impls.config_fields`)."""
+  if not items:  # trees older than config_fields run without fields
+    return {}
   from benchmarks.impls import config_fields  # noqa: PLC0415
   return config_fields(items)
 
