@@ -244,7 +244,8 @@ _DEFAULTS = {
 # benchmarks/tune_mosaic_gpu.py when it is given several lengths (a length
 # tuned at S covers the keys up to the geometric mean of S and the next
 # tuned length).  Empty: no length has yet had a winner over the row above
-# on both masks by the tuner's margin.
+# on both masks by the tuner's margin (tuned on an H200: S=1024 at head
+# dim 128, every candidate within 1% or slower; see docs/performance.md).
 _BY_LENGTH: dict[int, tuple[tuple[int, dict], ...]] = {64: (), 128: (),
                                                         256: ()}
 
