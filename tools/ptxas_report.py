@@ -28,10 +28,13 @@ import argparse
 import ctypes
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
-# Run as a script from tools/, so its sibling is importable.
+# Run as a script from tools/, so its siblings are importable.
+import sass_turn_gap
 from mosaic_gpu_same import _parse_config
 
 
@@ -143,6 +146,11 @@ def main() -> None:
                       "more than about 16 the persistent kernels get "
                       "several items per CTA, whose code (the next item's "
                       "loads, chain_items) is otherwise folded away")
+  parser.add_argument("--turn-gap", action="store_true",
+                      help="also compile the forward kernels' PTX to SASS "
+                      "(ptxas and nvdisasm from PATH, or --offline's) and "
+                      "print what each consumer computes between taking "
+                      "its turn and issuing P V (tools/sass_turn_gap.py)")
   parser.add_argument("--compile-only", action="store_true",
                       help=argparse.SUPPRESS)
   parser.add_argument("--plugin", default=None, help=argparse.SUPPRESS)
@@ -181,6 +189,41 @@ def main() -> None:
   if done.returncode:
     print(f"compiling failed (exit {done.returncode}):\n"
           + done.stderr[-2000:], flush=True)
+  if args.turn_gap and not done.returncode:
+    # Compiled again with the PTX dumped (a dump takes ptxas's report off
+    # the output that the lines above read).
+    dump = tempfile.mkdtemp(prefix="jflash-ptx-")
+    subprocess.run(child, env=dict(env, MOSAIC_GPU_DUMP_TO=dump,
+                                   MOSAIC_GPU_DUMP_PTX="1"),
+                   capture_output=True, text=True, check=False)
+    _print_turn_gaps(dump, env)
+    shutil.rmtree(dump, ignore_errors=True)
+
+
+def _print_turn_gaps(dump: str, env: dict) -> None:
+  """SASS of every forward kernel's PTX under ``dump`` (in the order
+  compiled: one per head dim) and its turn gaps."""
+  ptx = sorted((f for f in os.listdir(dump)
+                if f.startswith("jflash_forward") and f.endswith(".ptx")),
+               key=lambda f: int(re.findall(r"(\d+)\.ptx$", f)[0] or 0))
+  if not ptx:
+    print("turn gaps: no forward PTX was dumped", flush=True)
+  for name in ptx:
+    source = os.path.join(dump, name)
+    cubin = source[:-len(".ptx")] + ".cubin"
+    steps = (["ptxas", "-arch=sm_90a", "-O3", source, "-o", cubin],
+             ["nvdisasm", "-c", cubin])
+    for step in steps:
+      out = subprocess.run(step, env=env, capture_output=True, text=True,
+                           check=False)
+      if out.returncode:
+        print(f"{name}: {step[0]} failed: {out.stderr[-500:]}", flush=True)
+        break
+    else:
+      gaps = sass_turn_gap.turn_gaps(out.stdout)
+      print(f"{name}: {len(gaps)} turn waits", flush=True)
+      for gap in gaps:
+        print("  " + sass_turn_gap.describe(gap), flush=True)
 
 
 if __name__ == "__main__":
