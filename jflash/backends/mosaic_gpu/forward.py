@@ -280,22 +280,20 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           acc = acc * broadcast_rows(rescale, acc.shape)
           l = l * rescale
           p_low = p.astype(dtype)
+          l = l + p.sum(axis=1)
+          # P, the row sums and the maximum are formed before the waits for
+          # V and the turn: without the barrier the compiler sinks the
+          # exponentials past the turn, where they run while the other
+          # consumer waits for the tensor cores (10% of the forward at head
+          # dim 256, S=16384).  O's rescale is pinned too up to head dim
+          # 128; at 256 its 128 registers per thread are not worth it.
           if head_dim <= 128:
-            l = l + p.sum(axis=1)
             acc, l, m_new, p_low = lax.optimization_barrier(
                 (acc, l, m_new, p_low))
-            plgpu.barrier_wait(v_ready.at[slot])
-            common.wait_turn(wg)
           else:
-            # O's rescale stays behind the waits (its 128 registers at head
-            # dim 256 are not worth pinning), but P and the row sums are
-            # formed before them: without the barrier they sink past the
-            # turn, and the exponentials then run while the other consumer
-            # waits for the tensor cores (10% of the forward at S=16384).
-            l = l + p.sum(axis=1)
             l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
-            plgpu.barrier_wait(v_ready.at[slot])
-            common.wait_turn(wg)
+          plgpu.barrier_wait(v_ready.at[slot])
+          common.wait_turn(wg)
           return acc, m_new, l, p_low
 
         def chained_step(i, carry):
