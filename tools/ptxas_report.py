@@ -203,9 +203,9 @@ def main() -> None:
 def _print_turn_gaps(dump: str, env: dict) -> None:
   """SASS of every forward kernel's PTX under ``dump`` (in the order
   compiled: one per head dim) and its turn gaps."""
-  ptx = sorted((f for f in os.listdir(dump)
-                if f.startswith("jflash_forward") and f.endswith(".ptx")),
-               key=lambda f: int(re.findall(r"(\d+)\.ptx$", f)[0] or 0))
+  numbered = [(int(m.group(1)), f) for f in os.listdir(dump)
+              if (m := re.fullmatch(r"jflash_forward_(\d+)\.ptx", f))]
+  ptx = [f for _, f in sorted(numbered)]
   if not ptx:
     print("turn gaps: no forward PTX was dumped", flush=True)
   for name in ptx:

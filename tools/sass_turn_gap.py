@@ -76,7 +76,7 @@ def turn_gaps(sass: str) -> list[TurnGap]:
       continue
     counts: collections.Counter[str] = collections.Counter()
     end = None
-    for _, later, later_operands in instructions[index + 1:]:
+    for _, later, _ in instructions[index + 1:]:
       if later.startswith("HGMMA"):
         end = later
         break
