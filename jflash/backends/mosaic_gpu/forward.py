@@ -170,17 +170,32 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                   qseg_smem2.at[buf],
                                   q_ready.at[q_buffers + buf])
 
+      def schedule_head(b, q_block):
+        """An item's number of steps and its first step's tile class and
+        key tile (see step_info), read from GMEM one item early."""
+        return (count_ref[b, q_block], class_ref[b, q_block, 0, wg],
+                order_ref[b, q_block, 0])
+
       def consume_item(head, b, q_block, carry, next_item):
         """One consumer's work on an item whose first K/V tile sits at
-        ring step ``first_step``; returns the next item's first step (with
-        ``chain_items``, also the next item's buffer parity, whether its
-        first ``Q K^T`` was issued here, and that product)."""
+        ring step ``first_step``, its schedule_head read by the item
+        before; returns the next item's first step (with ``chain_items``,
+        also the next item's buffer parity, whether its first ``Q K^T``
+        was issued here, and that product) and the next item's
+        schedule_head."""
+        ring, (count, *first_info) = carry
         if chain_items:
-          first_step, parity, pre, qk_pre = carry
+          first_step, parity, pre, qk_pre = ring
         else:
-          first_step, parity, pre, qk_pre = carry, 0, None, None
-        count, tile_at = common.schedule_row(order_ref, count_ref, b,
-                                             q_block)
+          first_step, parity, pre, qk_pre = ring, 0, None, None
+        # The next item's schedule is read now, so that its latency is
+        # not waited for between this item's output and the next's first
+        # products.
+        _, next_b, next_block = next_item[1]
+        next_head = schedule_head(next_b, next_block)
+
+        def tile_at(step):
+          return order_ref[b, q_block, step]
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
         buf = q_buffer(parity)
@@ -225,7 +240,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         def step_info(i):
           """Step ``i``'s tile class and key tile, read a step early so
           that their loads' latency is not waited for before the step's
-          softmax (the tile only matters to a masked step)."""
+          softmax (the tile only matters to a masked step); step 0's come
+          from schedule_head."""
           i = jnp.maximum(jnp.minimum(i, count - 1), 0)  # in bounds
           return class_ref[b, q_block, i, wg], tile_at(i)
 
@@ -436,7 +452,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               masked=masked, fma_columns=fma_exp2_columns)
         elif not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
-              0, count, waiting_step, (acc, m, l, step_info(0)))
+              0, count, waiting_step, (acc, m, l, tuple(first_info)))
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -450,13 +466,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           else:
             qk = lax.cond(count > 0, first_scores, lambda: zeros)
           carry = lax.fori_loop(0, count - 1, chained_step,
-                                (acc, m, l, qk, step_info(0)))
+                                (acc, m, l, qk, tuple(first_info)))
           if chain_items:
             # Chain into the next item when it has a tile to visit.
-            _, next_b, next_block = next_where
             chain = jnp.logical_and(
                 jnp.logical_and(next_exists, count > 0),
-                count_ref[next_b, next_block] > 0)
+                next_head[0] > 0)
             acc, m, l, qk_next, _ = lax.cond(
                 chain, last_step_chained,
                 lambda c: lax.cond(count > 0, last_step, lambda c: c, c),
@@ -499,8 +514,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         plgpu.copy_smem_to_gmem(
             lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         if chain_items:
-          return first_step + count, 1 - parity, chain, qk_next
-        return first_step + count
+          return (first_step + count, 1 - parity, chain, qk_next), next_head
+        return first_step + count, next_head
 
       @pl.when(wg < 2)
       def _consumer():
@@ -518,12 +533,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # consumer before the other's wait would complete the 256-thread
         # barrier without it, and the consumers would deadlock.)
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
-        init = None
+        ring = jnp.int32(0)
         if chain_items:
-          init = (jnp.int32(0), jnp.int32(0), jnp.bool_(False),
+          ring = (ring, jnp.int32(0), jnp.bool_(False),
                   plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA))
-        for_each_item(consume_item, init)
+        _, (_, first_b, first_block) = item_at(0)
+        for_each_item(consume_item, (ring, schedule_head(first_b, first_block)))
         pl.when(wg == 1)(lambda: common.wait_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
