@@ -32,7 +32,8 @@ _CELLS = ((128, 16384, False, None, None), (128, 16384, True, None, None),
           (128, 4096, True, None, "softcap"), (64, 4096, True, None, "softcap"),
           (128, 16384, False, None, "segments"),
           (64, 4096, False, None, "segments"),
-          (256, 16384, False, None, None), (256, 1024, True, None, None))
+          (256, 16384, False, None, None), (256, 1024, True, None, None),
+          (256, 1024, False, None, None))
 _SEGMENTS = 8
 
 
