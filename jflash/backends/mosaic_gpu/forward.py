@@ -103,27 +103,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   optional_names = [n for n, x in optional.items() if x is not None]
 
   items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
-  # With room for an output buffer apart from Q (a whole tile per consumer,
-  # or else two slots of _OUT_CHUNK columns that the output passes through
-  # chunk by chunk), the next item's Q is loaded while this item's output
-  # is normalized and stored; without, the output leaves through Q's buffer.
+  # With room for a separate output buffer, the next item's Q is loaded
+  # while this item's output is normalized and stored.
   segments = spec.has_segments
-
-  def smem_with(output_columns):
-    return _forward_smem_bytes(block_q, block_kv, stages, head_dim, dtype,
-                               segments, output_columns=output_columns)
-  with_output_buffer = smem_with(head_dim)
-  if with_output_buffer <= common.SMEM_LIMIT_BYTES:
-    out_chunk = head_dim
-  elif (head_dim > _OUT_CHUNK
-        and smem_with(2 * _OUT_CHUNK) <= common.SMEM_LIMIT_BYTES):
-    out_chunk = _OUT_CHUNK
-  else:
-    out_chunk = None
-  prefetch_q = out_chunk is not None
+  with_output_buffer = _forward_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      separate_output=True)
+  prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
   # MosaicGpuConfig.resolved refuses chain_items without this loop.
   assert not chain_items or (qk_after_pv and not overlap_qk)
-  if chain_items and out_chunk != head_dim:
+  if chain_items and not prefetch_q:
     raise ValueError(
         f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
         f"{with_output_buffer} bytes of shared memory at head dim "
@@ -489,28 +478,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         seen = l > 0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        out_rows = out_ref.at[b, pl.ds(q_base, block_q), head]
-        if prefetch_q and not chain_items and out_chunk < head_dim:
-          # Two slots of out_chunk columns: a chunk is written once the
-          # copy of the chunk before the last has read its slot.
-          acc = acc * broadcast_rows(inv, acc.shape)
-          for c in range(head_dim // out_chunk):
-            if c >= 2:
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            columns = slice(c * out_chunk, (c + 1) * out_chunk)
-            o_smem2[wg, c % 2] = acc[:, columns].astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem2.at[wg, c % 2],
-                out_rows.at[:, pl.ds(c * out_chunk, out_chunk)])
-        else:
-          o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+        o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
         lse_smem2.at[wg][...] = jnp.where(
             seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
             -jnp.inf)
         plgpu.commit_smem()
-        if chain_items or out_chunk is None or out_chunk == head_dim:
-          plgpu.copy_smem_to_gmem(o_smem, out_rows)
+        plgpu.copy_smem_to_gmem(
+            o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
         plgpu.copy_smem_to_gmem(
             lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         if chain_items:
@@ -557,9 +531,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     pl.run_scoped(
         body,
         common.smem_tile((q_buffers, block_q, head_dim), dtype),
-        (common.smem_tile((2, block_q, head_dim), dtype)
-         if out_chunk == head_dim else
-         common.smem_tile((2, 2, block_q, out_chunk), dtype))
+        common.smem_tile((2, block_q, head_dim), dtype)
         if prefetch_q and not chain_items else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
@@ -592,23 +564,15 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
 
 
-# Columns per chunk of a forward output staged through two slots per
-# consumer, where a whole output tile apart from Q does not fit (head dim
-# 256): 128 bytes of bfloat16, one swizzled row.
-_OUT_CHUNK = 64
-
-
 def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
                         head_dim: int, dtype, segments: bool, *,
-                        output_columns: int) -> int:
-  """Shared memory the forward's buffers take (barriers excluded), with
-  ``output_columns`` of an output buffer apart from Q per consumer (0: the
-  output leaves through Q's buffer)."""
+                        separate_output: bool) -> int:
+  """Shared memory the forward's buffers take (barriers excluded)."""
   size = jnp.dtype(dtype).itemsize
   q_tiles = 2 * block_q * head_dim * size
   ring = stages * block_kv * head_dim * size
   return common.smem_bytes(
-      q_tiles, 2 * block_q * output_columns * size,  # Q, and O apart
+      q_tiles, q_tiles if separate_output else 0,  # Q, and O apart
       ring, ring,  # K, V
       2 * block_q * 4,  # logsumexp
       2 * block_q * 4 if segments else 0,  # query segment ids
