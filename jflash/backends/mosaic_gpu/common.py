@@ -356,7 +356,8 @@ def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
     for n, (ref, smem, ready, free, head) in enumerate(streams):
       @pl.when(first_step + i >= stages)
       def _():
-        plgpu.barrier_wait(free.at[slot])
+        with jax.named_scope(f"free_wait_{n}"):  # a profile's span
+          plgpu.barrier_wait(free.at[slot])
       plgpu.copy_gmem_to_smem(ref.at[b, rows, head], smem.at[slot],
                               ready.at[slot])
       if n == 0 and seg_ref is not None:

@@ -42,6 +42,10 @@ Array = jax.Array
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
+# Named regions of the kernel: spans in a Mosaic GPU profile (compiler
+# params with profile_space, as tools/forward_trace.py sets them), and
+# nothing otherwise.
+_region = jax.named_scope
 
 
 def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
@@ -209,7 +213,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           pl.when(jnp.logical_not(pre))(
               lambda: plgpu.barrier_wait(q_ready.at[buf]))
         else:
-          plgpu.barrier_wait(q_ready.at[wg])
+          with _region("q_wait"):
+            plgpu.barrier_wait(q_ready.at[wg])
 
         def prefetch_next():
           """chain_items: once the previous item's output and logsumexp
@@ -288,15 +293,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           def mask_step(s):
             kv_seg = kv_segments_loaded(slot) if segments_ride_k else None
             return masked(s, kv_tile, kv_seg)
-          p, m_new, rescale = _exponentials(
-              qk, m, full=step_class == masks.FULL, logits=logits,
-              masked=mask_step, fma_columns=fma_exp2_columns)
-          if segments_ride_k:
-            plgpu.barrier_arrive(k_free.at[slot])
-          acc = acc * broadcast_rows(rescale, acc.shape)
-          l = l * rescale
-          p_low = p.astype(dtype)
-          l = l + p.sum(axis=1)
+          with _region("softmax"):
+            p, m_new, rescale = _exponentials(
+                qk, m, full=step_class == masks.FULL, logits=logits,
+                masked=mask_step, fma_columns=fma_exp2_columns)
+            if segments_ride_k:
+              plgpu.barrier_arrive(k_free.at[slot])
+            acc = acc * broadcast_rows(rescale, acc.shape)
+            l = l * rescale
+            p_low = p.astype(dtype)
+            l = l + p.sum(axis=1)
           # P, the row sums and the maximum are formed before the waits for
           # V and the turn: without the barrier the compiler sinks the
           # exponentials past the turn, where they run while the other
@@ -308,8 +314,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                 (acc, l, m_new, p_low))
           else:
             l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
-          plgpu.barrier_wait(v_ready.at[slot])
-          common.wait_turn(wg)
+          with _region("v_wait"):
+            plgpu.barrier_wait(v_ready.at[slot])
+          with _region("turn_wait"):
+            common.wait_turn(wg)
           return acc, m_new, l, p_low
 
         def chained_step(i, carry):
@@ -348,7 +356,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               common.pass_turn(wg)
               qk_ref[...] = s_ref[...]
             pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
-          acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
+          with _region("pv_qk"):
+            acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
           plgpu.barrier_arrive(v_free.at[slot])
           release_k_after_scores(after)
           return acc, qk
@@ -376,7 +385,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           def pv_product(o_ref):
             plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
             common.pass_turn(wg)
-          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          with _region("last_pv"):
+            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m, l, qk, info
 
@@ -395,7 +405,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             # item's last P V passed it (see _consumer).
             pl.when(i > 0)(lambda: common.pass_turn(wg))
             return s_ref[...]
-          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+          with _region("qk"):
+            qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           release_k_after_scores(slot)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
 
@@ -408,7 +419,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             @pl.when(i + 1 < count)
             def _():
               plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
-          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          with _region("pv"):
+            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m, l, following
 
@@ -425,7 +437,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
         @pl.when(first_k_due)
         def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
+          with _region("first_k_wait"):
+            plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
         # The consumers alternate on the tensor cores: each waits for the
         # turn before P V and passes it after the next Q K^T of the item,
         # or after P V at the item's last step (see _consumer).
@@ -476,17 +489,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           # The previous item's output and logsumexp copies must have read
           # their buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        seen = l > 0
-        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
-        lse_smem2.at[wg][...] = jnp.where(
-            seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
-            -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
-        plgpu.copy_smem_to_gmem(
-            lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
+        with _region("epilogue"):
+          seen = l > 0
+          inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+          o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+          lse_smem2.at[wg][...] = jnp.where(
+              seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
+              -jnp.inf)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
+          plgpu.copy_smem_to_gmem(
+              lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         if chain_items:
           return (first_step + count, 1 - parity, chain, qk_next), next_head
         return first_step + count, next_head

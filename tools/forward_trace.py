@@ -1,0 +1,177 @@
+"""Where the ``mosaic_gpu`` forward spends its cycles, per warpgroup, on a
+Hopper GPU: one call with Mosaic GPU's on-device profiler on.
+
+The forward kernel marks its phases as named regions (``q_wait``, ``qk``,
+``softmax``, ``v_wait``, ``turn_wait``, ``pv`` or ``pv_qk``, ``last_pv``,
+``epilogue``, ``first_k_wait``; the producer's ``free_wait_0`` and
+``free_wait_1`` for K and V slots).  With profiling on, each region's start
+and end are stamped with the SM's cycle counter into shared memory and
+dumped as a Chrome trace; this script summarizes the trace: per warpgroup
+role, cycles per CTA in each region (mean over CTAs), the share of the
+CTA's span, how many times it ran, and the spread of the CTAs' spans (the
+persistent kernel's balance).  Stamping costs a few cycles per event and
+keeps the compiler from moving code across a region's edges, so absolute
+times are a little off; the split between regions is the point.
+
+Usage (from the repository root, on the GPU)::
+
+  PYTHONPATH=. python3 tools/forward_trace.py --head-dim 256 --seq 1024 \\
+      --causal --out trace_dir [--config block_kv=128] [--heads 4]
+
+The profile buffer takes ``48 * space`` bytes of shared memory beside the
+kernel's (``--space``, regions per warpgroup; events past it are
+dropped, and a region cut short is closed at the last event): shapes whose
+CTAs visit many tiles need fewer heads or a smaller batch (``--heads``,
+``--batch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import shutil
+import statistics
+import tempfile
+
+
+def _summarize(trace_path: str, out_dir: str, keep_ctas: int) -> str:
+  with open(trace_path) as f:
+    events = json.load(f)["traceEvents"]
+  by_trace = collections.defaultdict(list)
+  for event in events:
+    by_trace[event["tid"]].append(event)
+  roles = ("consumer 0", "consumer 1", "producer")
+  totals = {role: collections.defaultdict(list) for role in roles}
+  counts = {role: collections.Counter() for role in roles}
+  spans = collections.defaultdict(list)
+  kept = []
+  for tid, trace in sorted(by_trace.items()):
+    cta, wg = divmod(tid - 1, 3)
+    role = roles[wg]
+    stack, per_region = [], collections.Counter()
+    for event in trace:
+      if event["ph"] == "B":
+        stack.append(event)
+      else:
+        begin = stack.pop()
+        # Nested regions (none today) count in both.
+        per_region[begin["name"]] += event["ts"] - begin["ts"]
+        counts[role][begin["name"]] += 1
+    span = trace[-1]["ts"] - trace[0]["ts"] if trace else 0.0
+    spans[role].append(span)
+    for name, cycles in per_region.items():
+      totals[role][name].append(cycles)
+    if cta < keep_ctas:
+      kept.extend(trace)
+  # Stamps are cycles since the trace's first event, written as ns / 1e3.
+  scale = 1e3
+  lines = []
+  ctas = len(spans["consumer 0"])
+  lines.append(f"trace {os.path.basename(trace_path)}: {ctas} CTAs")
+  for role in roles:
+    if not spans[role]:
+      continue
+    mean_span = statistics.mean(spans[role]) * scale
+    lines.append(
+        f"== {role}: span per CTA {mean_span:,.0f} cycles (min "
+        f"{min(spans[role]) * scale:,.0f}, max "
+        f"{max(spans[role]) * scale:,.0f})")
+    covered = 0.0
+    for name, values in sorted(totals[role].items(),
+                               key=lambda kv: -sum(kv[1])):
+      per_cta = sum(values) / ctas * scale
+      covered += per_cta
+      runs = counts[role][name] / ctas
+      lines.append(f"  {name:14s} {per_cta:12,.0f} cycles/CTA "
+                   f"{100 * per_cta / mean_span:5.1f}%  {runs:7.1f} runs/CTA"
+                   f"  {per_cta / max(runs, 1e-9):8,.0f} cycles/run")
+    lines.append(f"  {'(outside)':14s} {mean_span - covered:12,.0f} "
+                 f"cycles/CTA {100 * (1 - covered / mean_span):5.1f}%")
+  with gzip.open(os.path.join(out_dir, "trace_first_ctas.json.gz"),
+                 "wt") as f:
+    json.dump({"displayTimeUnit": "ns", "traceEvents": kept}, f)
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--seq", type=int, default=1024)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="default 16384 / seq")
+  parser.add_argument("--heads", type=int, default=None,
+                      help="default 2048 / head dim")
+  parser.add_argument("--space", type=int, default=512,
+                      help="profiled regions per warpgroup")
+  parser.add_argument("--config", nargs="*", default=[],
+                      help="MosaicGpuConfig fields, field=value")
+  parser.add_argument("--keep-ctas", type=int, default=4,
+                      help="CTAs whose raw events are saved")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  import jflash  # noqa: PLC0415
+  from jflash.backends import MosaicGpuBackend, MosaicGpuConfig  # noqa: PLC0415
+  from jflash.backends.mosaic_gpu import common  # noqa: PLC0415
+  from benchmarks.timing import TimerConfig, time_function  # noqa: PLC0415
+
+  config = {}
+  for item in args.config:
+    name, value = item.split("=")
+    config[name] = {"true": True, "false": False}.get(value.lower(), None)
+    if config[name] is None:
+      config[name] = int(value)
+  implementation = (MosaicGpuBackend(MosaicGpuConfig(**config)) if config
+                    else "mosaic_gpu")
+  batch = args.batch or 16384 // args.seq
+  heads = args.heads or 2048 // args.head_dim
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal(
+      (batch, args.seq, heads, args.head_dim)), jnp.bfloat16)
+      for _ in range(3))
+
+  def attend(q, k, v):
+    return jflash.dot_product_attention(q, k, v, is_causal=args.causal,
+                                        implementation=implementation)
+  plain = jax.jit(attend)
+  flops = 4 * batch * heads * args.seq ** 2 * args.head_dim
+  flops /= 2 if args.causal else 1
+  ms = time_function(plain, [(q, k, v)], TimerConfig(repeats=5,
+                                                     warmup=2))["ms"]
+  os.makedirs(args.out, exist_ok=True)
+  lines = [f"B={batch} T=S={args.seq} N={heads} H={args.head_dim} "
+           f"causal={args.causal} config={config or 'default'}: unprofiled "
+           f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s"]
+  dump = tempfile.mkdtemp()
+  common.COMPILER_PARAMS = dataclasses.replace(
+      common.COMPILER_PARAMS, profile_space=args.space, profile_dir=dump,
+      profile_bounds_check=True)
+  profiled = jax.jit(lambda q, k, v: attend(q, k, v))
+  # Warm the clocks with the unprofiled kernel, then one profiled call
+  # (each compiled profiled kernel writes one trace).
+  time_function(plain, [(q, k, v)], TimerConfig(repeats=3, warmup=1))
+  jax.block_until_ready(profiled(q, k, v))
+  jax.effects_barrier()
+  traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
+  if not traces:
+    raise SystemExit(f"no forward trace in {dump}: {os.listdir(dump)}")
+  lines.append(_summarize(traces[-1], args.out, args.keep_ctas))
+  shutil.rmtree(dump)
+  text = "\n".join(lines)
+  print(text)
+  with open(os.path.join(args.out, "summary.txt"), "w") as f:
+    f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
