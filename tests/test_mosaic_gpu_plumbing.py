@@ -600,7 +600,8 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
   c = plan.config
   if variant.get("chain_items") and forward._forward_smem_bytes(
       c.block_q, c.block_kv, c.stages, head_dim, jnp.bfloat16,
-      "segments" in features, separate_output=True) > common.SMEM_LIMIT_BYTES:
+      "segments" in features,
+      output_columns=head_dim) > common.SMEM_LIMIT_BYTES:
     # Two Q buffers per consumer do not fit in shared memory beside the
     # ring (head dim 256; 64 with segment ids and 256-key tiles): refused
     # by name, not dropped.

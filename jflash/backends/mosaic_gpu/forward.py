@@ -107,16 +107,27 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   optional_names = [n for n, x in optional.items() if x is not None]
 
   items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
-  # With room for a separate output buffer, the next item's Q is loaded
-  # while this item's output is normalized and stored.
+  # With room for an output buffer apart from Q (a whole tile per consumer,
+  # or else two slots of _OUT_CHUNK columns that the output passes through
+  # chunk by chunk), the next item's Q is loaded while this item's output
+  # is normalized and stored; without, the output leaves through Q's buffer.
   segments = spec.has_segments
-  with_output_buffer = _forward_smem_bytes(
-      block_q, block_kv, stages, head_dim, dtype, segments,
-      separate_output=True)
-  prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
+
+  def smem_with(output_columns):
+    return _forward_smem_bytes(block_q, block_kv, stages, head_dim, dtype,
+                               segments, output_columns=output_columns)
+  with_output_buffer = smem_with(head_dim)
+  if with_output_buffer <= common.SMEM_LIMIT_BYTES:
+    out_chunk = head_dim
+  elif (head_dim > _OUT_CHUNK
+        and smem_with(2 * _OUT_CHUNK) <= common.SMEM_LIMIT_BYTES):
+    out_chunk = _OUT_CHUNK
+  else:
+    out_chunk = None
+  prefetch_q = out_chunk is not None
   # MosaicGpuConfig.resolved refuses chain_items without this loop.
   assert not chain_items or (qk_after_pv and not overlap_qk)
-  if chain_items and not prefetch_q:
+  if chain_items and out_chunk != head_dim:
     raise ValueError(
         f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
         f"{with_output_buffer} bytes of shared memory at head dim "
@@ -215,6 +226,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         else:
           with _region("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
+
+        # Without chain_items or overlap_qk, the next item's Q is loaded as
+        # soon as this item's last Q K^T has completed (its buffer is then
+        # free), so that the load overlaps the last softmax, P V and the
+        # output.  (At head dim 256, without room for an output buffer apart
+        # from Q, it waits for the output to leave through Q's buffer.)
+        early_q = prefetch_q and not chain_items and not overlap_qk
+
+        def load_next_q(when=True):
+          pl.when(jnp.logical_and(when, next_exists))(
+              lambda: load_q(*next_where))
 
         def prefetch_next():
           """chain_items: once the previous item's output and logsumexp
@@ -407,6 +429,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             return s_ref[...]
           with _region("qk"):
             qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+          if early_q:
+            load_next_q(i + 1 == count)
           release_k_after_scores(slot)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
 
@@ -455,6 +479,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         elif not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
               0, count, waiting_step, (acc, m, l, tuple(first_info)))
+          if early_q:
+            load_next_q(count == 0)
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -469,6 +495,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             qk = lax.cond(count > 0, first_scores, lambda: zeros)
           carry = lax.fori_loop(0, count - 1, chained_step,
                                 (acc, m, l, qk, tuple(first_info)))
+          if early_q:
+            load_next_q()  # the last step's Q K^T has completed
           if chain_items:
             # Chain into the next item when it has a tile to visit.
             chain = jnp.logical_and(
@@ -483,22 +511,38 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                                        carry)
 
         if prefetch_q and not chain_items:
-          # Every Q K^T of this item has completed: the next item's Q may
-          # take the buffer while this one's output is written.
-          pl.when(next_exists)(lambda: load_q(*next_where))
+          if not early_q:
+            # Every Q K^T of this item has completed: the next item's Q may
+            # take the buffer while this one's output is written.
+            load_next_q()
           # The previous item's output and logsumexp copies must have read
           # their buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         with _region("epilogue"):
           seen = l > 0
           inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-          o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+          out_rows = out_ref.at[b, pl.ds(q_base, block_q), head]
+          if prefetch_q and not chain_items and out_chunk < head_dim:
+            # Two slots of out_chunk columns: a chunk is written once the
+            # copy of the chunk before the last has read its slot.
+            acc = acc * broadcast_rows(inv, acc.shape)
+            for c in range(head_dim // out_chunk):
+              if c >= 2:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              columns = slice(c * out_chunk, (c + 1) * out_chunk)
+              o_smem2[wg, c % 2] = acc[:, columns].astype(dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  o_smem2.at[wg, c % 2],
+                  out_rows.at[:, pl.ds(c * out_chunk, out_chunk)])
+          else:
+            o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
           lse_smem2.at[wg][...] = jnp.where(
               seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
               -jnp.inf)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
+          if chain_items or out_chunk is None or out_chunk == head_dim:
+            plgpu.copy_smem_to_gmem(o_smem, out_rows)
           plgpu.copy_smem_to_gmem(
               lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         if chain_items:
@@ -545,7 +589,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     pl.run_scoped(
         body,
         common.smem_tile((q_buffers, block_q, head_dim), dtype),
-        common.smem_tile((2, block_q, head_dim), dtype)
+        (common.smem_tile((2, block_q, head_dim), dtype)
+         if out_chunk == head_dim else
+         common.smem_tile((2, 2, block_q, out_chunk), dtype))
         if prefetch_q and not chain_items else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
@@ -578,15 +624,23 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
 
 
+# Columns per chunk of a forward output staged through two slots per
+# consumer, where a whole output tile apart from Q does not fit (head dim
+# 256): 128 bytes of bfloat16, one swizzled row.
+_OUT_CHUNK = 64
+
+
 def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
                         head_dim: int, dtype, segments: bool, *,
-                        separate_output: bool) -> int:
-  """Shared memory the forward's buffers take (barriers excluded)."""
+                        output_columns: int) -> int:
+  """Shared memory the forward's buffers take (barriers excluded), with
+  ``output_columns`` of an output buffer apart from Q per consumer (0: the
+  output leaves through Q's buffer)."""
   size = jnp.dtype(dtype).itemsize
   q_tiles = 2 * block_q * head_dim * size
   ring = stages * block_kv * head_dim * size
   return common.smem_bytes(
-      q_tiles, q_tiles if separate_output else 0,  # Q, and O apart
+      q_tiles, 2 * block_q * output_columns * size,  # Q, and O apart
       ring, ring,  # K, V
       2 * block_q * 4,  # logsumexp
       2 * block_q * 4 if segments else 0,  # query segment ids
