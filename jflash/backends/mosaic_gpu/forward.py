@@ -227,12 +227,19 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           with _region("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
 
-        # Without chain_items or overlap_qk, the next item's Q is loaded as
-        # soon as this item's last Q K^T has completed (its buffer is then
-        # free), so that the load overlaps the last softmax, P V and the
-        # output.  (At head dim 256, without room for an output buffer apart
-        # from Q, it waits for the output to leave through Q's buffer.)
-        early_q = prefetch_q and not chain_items and not overlap_qk
+        # The next item's Q is loaded as soon as this item's last Q K^T has
+        # completed (its buffer is then free), so that the load overlaps the
+        # last softmax, P V and the output: in the qk_after_pv loop after
+        # its chained steps, and in the waiting loop where the output is
+        # staged in chunks (head dim 256, where the load took 2,300-3,200
+        # cycles per item at S=1024); there, elsewhere, the load in the
+        # loop body spilled registers every step (head dim 128 with
+        # segment ids), and Q loads once the item's products are done.
+        # (Without room for an output buffer apart from Q, Q waits for the
+        # output to leave through Q's buffer.)
+        early_q = (prefetch_q and not chain_items and not overlap_qk
+                   and (qk_after_pv or out_chunk < head_dim))
+        q_loads_in_loop = early_q and not qk_after_pv
 
         def load_next_q(when=True):
           pl.when(jnp.logical_and(when, next_exists))(
@@ -429,7 +436,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             return s_ref[...]
           with _region("qk"):
             qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          if early_q:
+          if q_loads_in_loop:
             load_next_q(i + 1 == count)
           release_k_after_scores(slot)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
@@ -479,7 +486,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         elif not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
               0, count, waiting_step, (acc, m, l, tuple(first_info)))
-          if early_q:
+          if q_loads_in_loop:
             load_next_q(count == 0)
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
