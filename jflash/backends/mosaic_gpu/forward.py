@@ -107,27 +107,20 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   optional_names = [n for n, x in optional.items() if x is not None]
 
   items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
-  # With room for an output buffer apart from Q (a whole tile per consumer,
-  # or else two slots of _OUT_CHUNK columns that the output passes through
-  # chunk by chunk), the next item's Q is loaded while this item's output
-  # is normalized and stored; without, the output leaves through Q's buffer.
+  # With room for an output buffer apart from Q, the next item's Q is
+  # loaded while this item's output is normalized and stored; without (head
+  # dim 256), the output leaves through Q's buffer.  (Staging the output
+  # through two 64-column slots instead, so that Q could load early at head
+  # dim 256, lost 4-6% at S=4096 and 16384 on an H200 and gained 0-2% at
+  # S=1024.)
   segments = spec.has_segments
-
-  def smem_with(output_columns):
-    return _forward_smem_bytes(block_q, block_kv, stages, head_dim, dtype,
-                               segments, output_columns=output_columns)
-  with_output_buffer = smem_with(head_dim)
-  if with_output_buffer <= common.SMEM_LIMIT_BYTES:
-    out_chunk = head_dim
-  elif (head_dim > _OUT_CHUNK
-        and smem_with(2 * _OUT_CHUNK) <= common.SMEM_LIMIT_BYTES):
-    out_chunk = _OUT_CHUNK
-  else:
-    out_chunk = None
-  prefetch_q = out_chunk is not None
+  with_output_buffer = _forward_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      output_columns=head_dim)
+  prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
   # MosaicGpuConfig.resolved refuses chain_items without this loop.
   assert not chain_items or (qk_after_pv and not overlap_qk)
-  if chain_items and out_chunk != head_dim:
+  if chain_items and not prefetch_q:
     raise ValueError(
         f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
         f"{with_output_buffer} bytes of shared memory at head dim "
@@ -227,19 +220,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           with _region("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
 
-        # The next item's Q is loaded as soon as this item's last Q K^T has
-        # completed (its buffer is then free), so that the load overlaps the
-        # last softmax, P V and the output: in the qk_after_pv loop after
-        # its chained steps, and in the waiting loop where the output is
-        # staged in chunks (head dim 256, where the load took 2,300-3,200
-        # cycles per item at S=1024); there, elsewhere, the load in the
-        # loop body spilled registers every step (head dim 128 with
-        # segment ids), and Q loads once the item's products are done.
-        # (Without room for an output buffer apart from Q, Q waits for the
-        # output to leave through Q's buffer.)
+        # In the qk_after_pv loop the next item's Q is loaded once the
+        # chained steps are done (the item's last Q K^T has then completed
+        # and its buffer is free), so that the load overlaps the last
+        # softmax, P V and the output: the consumers waited 1,000-1,400
+        # cycles per item for Q at head dim 128 S=1024 when it was loaded
+        # after the last P V.  In the waiting loop, loading it inside the
+        # step loop spilled registers every step (head dim 128 with segment
+        # ids), so Q loads once the item's products are done.
         early_q = (prefetch_q and not chain_items and not overlap_qk
-                   and (qk_after_pv or out_chunk < head_dim))
-        q_loads_in_loop = early_q and not qk_after_pv
+                   and qk_after_pv)
 
         def load_next_q(when=True):
           pl.when(jnp.logical_and(when, next_exists))(
@@ -436,8 +426,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             return s_ref[...]
           with _region("qk"):
             qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          if q_loads_in_loop:
-            load_next_q(i + 1 == count)
           release_k_after_scores(slot)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
 
@@ -486,8 +474,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         elif not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
               0, count, waiting_step, (acc, m, l, tuple(first_info)))
-          if q_loads_in_loop:
-            load_next_q(count == 0)
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -528,28 +514,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         with _region("epilogue"):
           seen = l > 0
           inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-          out_rows = out_ref.at[b, pl.ds(q_base, block_q), head]
-          if prefetch_q and not chain_items and out_chunk < head_dim:
-            # Two slots of out_chunk columns: a chunk is written once the
-            # copy of the chunk before the last has read its slot.
-            acc = acc * broadcast_rows(inv, acc.shape)
-            for c in range(head_dim // out_chunk):
-              if c >= 2:
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              columns = slice(c * out_chunk, (c + 1) * out_chunk)
-              o_smem2[wg, c % 2] = acc[:, columns].astype(dtype)
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  o_smem2.at[wg, c % 2],
-                  out_rows.at[:, pl.ds(c * out_chunk, out_chunk)])
-          else:
-            o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
+          o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
           lse_smem2.at[wg][...] = jnp.where(
               seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
               -jnp.inf)
           plgpu.commit_smem()
-          if chain_items or out_chunk is None or out_chunk == head_dim:
-            plgpu.copy_smem_to_gmem(o_smem, out_rows)
+          plgpu.copy_smem_to_gmem(
+              o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
           plgpu.copy_smem_to_gmem(
               lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         if chain_items:
@@ -596,9 +567,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     pl.run_scoped(
         body,
         common.smem_tile((q_buffers, block_q, head_dim), dtype),
-        (common.smem_tile((2, block_q, head_dim), dtype)
-         if out_chunk == head_dim else
-         common.smem_tile((2, 2, block_q, out_chunk), dtype))
+        common.smem_tile((2, block_q, head_dim), dtype)
         if prefetch_q and not chain_items else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
@@ -629,12 +598,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   return out, lse
 
 
-
-
-# Columns per chunk of a forward output staged through two slots per
-# consumer, where a whole output tile apart from Q does not fit (head dim
-# 256): 128 bytes of bfloat16, one swizzled row.
-_OUT_CHUNK = 64
 
 
 def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
