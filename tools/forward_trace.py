@@ -39,59 +39,64 @@ import statistics
 import tempfile
 
 
-def _summarize(trace_path: str, out_dir: str, keep_ctas: int) -> str:
-  with open(trace_path) as f:
-    events = json.load(f)["traceEvents"]
+_ROLES = ("consumer 0", "consumer 1", "producer")
+# Stamps are cycles since a trace's first event, written as ns / 1e3.
+_CYCLES_PER_TS = 1e3
+
+
+def region_cycles(events: list[dict]) -> dict:
+  """Per warpgroup role of the forward (the kernel's warpgroups 0, 1: the
+  consumers; 2: the producer), from a Mosaic GPU profile's Chrome trace
+  events (``tid`` is ``1 + 3 * cta + warpgroup``): ``{role: {"spans":
+  [cycles per CTA], "cycles": {region: [cycles per CTA]}, "runs":
+  {region: total count}}}``.  A region nested in another counts in both."""
   by_trace = collections.defaultdict(list)
   for event in events:
     by_trace[event["tid"]].append(event)
-  roles = ("consumer 0", "consumer 1", "producer")
-  totals = {role: collections.defaultdict(list) for role in roles}
-  counts = {role: collections.Counter() for role in roles}
-  spans = collections.defaultdict(list)
-  kept = []
+  out = {role: {"spans": [], "cycles": collections.defaultdict(list),
+                "runs": collections.Counter()} for role in _ROLES}
   for tid, trace in sorted(by_trace.items()):
-    cta, wg = divmod(tid - 1, 3)
-    role = roles[wg]
+    role = out[_ROLES[(tid - 1) % 3]]
     stack, per_region = [], collections.Counter()
     for event in trace:
       if event["ph"] == "B":
         stack.append(event)
       else:
         begin = stack.pop()
-        # Nested regions (none today) count in both.
-        per_region[begin["name"]] += event["ts"] - begin["ts"]
-        counts[role][begin["name"]] += 1
-    span = trace[-1]["ts"] - trace[0]["ts"] if trace else 0.0
-    spans[role].append(span)
+        per_region[begin["name"]] += ((event["ts"] - begin["ts"])
+                                      * _CYCLES_PER_TS)
+        role["runs"][begin["name"]] += 1
+    role["spans"].append((trace[-1]["ts"] - trace[0]["ts"]) * _CYCLES_PER_TS)
     for name, cycles in per_region.items():
-      totals[role][name].append(cycles)
-    if cta < keep_ctas:
-      kept.extend(trace)
-  # Stamps are cycles since the trace's first event, written as ns / 1e3.
-  scale = 1e3
-  lines = []
-  ctas = len(spans["consumer 0"])
-  lines.append(f"trace {os.path.basename(trace_path)}: {ctas} CTAs")
-  for role in roles:
-    if not spans[role]:
+      role["cycles"][name].append(cycles)
+  return out
+
+
+def _summarize(trace_path: str, out_dir: str, keep_ctas: int) -> str:
+  with open(trace_path) as f:
+    events = json.load(f)["traceEvents"]
+  data = region_cycles(events)
+  ctas = len(data["consumer 0"]["spans"])
+  lines = [f"trace {os.path.basename(trace_path)}: {ctas} CTAs"]
+  for role in _ROLES:
+    spans = data[role]["spans"]
+    if not spans:
       continue
-    mean_span = statistics.mean(spans[role]) * scale
-    lines.append(
-        f"== {role}: span per CTA {mean_span:,.0f} cycles (min "
-        f"{min(spans[role]) * scale:,.0f}, max "
-        f"{max(spans[role]) * scale:,.0f})")
+    mean_span = statistics.mean(spans)
+    lines.append(f"== {role}: span per CTA {mean_span:,.0f} cycles (min "
+                 f"{min(spans):,.0f}, max {max(spans):,.0f})")
     covered = 0.0
-    for name, values in sorted(totals[role].items(),
+    for name, values in sorted(data[role]["cycles"].items(),
                                key=lambda kv: -sum(kv[1])):
-      per_cta = sum(values) / ctas * scale
+      per_cta = sum(values) / ctas
       covered += per_cta
-      runs = counts[role][name] / ctas
+      runs = data[role]["runs"][name] / ctas
       lines.append(f"  {name:14s} {per_cta:12,.0f} cycles/CTA "
                    f"{100 * per_cta / mean_span:5.1f}%  {runs:7.1f} runs/CTA"
                    f"  {per_cta / max(runs, 1e-9):8,.0f} cycles/run")
     lines.append(f"  {'(outside)':14s} {mean_span - covered:12,.0f} "
                  f"cycles/CTA {100 * (1 - covered / mean_span):5.1f}%")
+  kept = [e for e in events if (e["tid"] - 1) // 3 < keep_ctas]
   with gzip.open(os.path.join(out_dir, "trace_first_ctas.json.gz"),
                  "wt") as f:
     json.dump({"displayTimeUnit": "ns", "traceEvents": kept}, f)
