@@ -35,7 +35,9 @@ _CELLS = ((128, 16384, False, None, None), (128, 16384, True, None, None),
           (128, 16384, False, None, "segments"),
           (64, 4096, False, None, "segments"),
           (256, 16384, False, None, None), (256, 1024, True, None, None),
-          (256, 1024, False, None, None))
+          (256, 1024, False, None, None), (128, 4096, False, None, None),
+          (64, 4096, False, None, None), (64, 16384, False, None, None),
+          (64, 16384, True, None, None))
 _SEGMENTS = 8
 
 
