@@ -114,13 +114,11 @@ def _run(path: str, implementation: str, shrink: int,
     name = f"h={head_dim} s={seq} causal={causal} window={window}"
     name += f" {feature}" if feature else ""
     try:
-      if forward_only:  # the output alone; no backward compiled or timed
-        values = (forward(q, k, v),)
-        t_both = float("nan")
-      else:
-        values = both(q, k, v, cot)
-        t_both = time_function(both, [(q, k, v, cot)], timer)["ms"] * 1e-3
+      # forward_only: the output alone, no backward compiled or timed.
+      values = (forward(q, k, v),) if forward_only else both(q, k, v, cot)
       t_fwd = time_function(forward, [(q, k, v)], timer)["ms"] * 1e-3
+      t_both = float("nan") if forward_only else time_function(
+          both, [(q, k, v, cot)], timer)["ms"] * 1e-3
     except Exception as err:  # noqa: BLE001 (record and go on)
       results[name] = dict(error=f"{type(err).__name__}: {str(err)[:200]}")
       print(f"{name}: {results[name]['error']}", flush=True)
