@@ -13,10 +13,20 @@ persistent kernel's balance).  Stamping costs a few cycles per event and
 keeps the compiler from moving code across a region's edges, so absolute
 times are a little off; the split between regions is the point.
 
+With ``--backward`` the call is forward and backward (a gradient with a
+random cotangent), only the backward's kernels are profiled (the
+forward's ring leaves no shared memory for the buffer at head dim 64),
+and each one's trace is summarized: the dK/dV
+kernel's consumers mark ``k_wait``, ``q_wait``, ``do_wait``, ``s_wait``
+(``S`` and ``dP`` issued, ``S`` waited for), ``p``, ``dp_wait``,
+``dv_dk`` (the two accumulating products, with ``ds`` inside it) and
+``epilogue``; its producer ``q_free_wait`` and ``do_free_wait``.
+
 Usage (from the repository root, on the GPU)::
 
   PYTHONPATH=. python3 tools/forward_trace.py --head-dim 256 --seq 1024 \\
-      --causal --out trace_dir [--config block_kv=128] [--heads 4]
+      --causal --out trace_dir [--config block_kv=128] [--heads 4] \\
+      [--backward]
 
 The profile buffer takes ``48 * space`` bytes of shared memory beside the
 kernel's (``--space``, regions per warpgroup; events past it are
@@ -72,7 +82,8 @@ def region_cycles(events: list[dict]) -> dict:
   return out
 
 
-def _summarize(trace_path: str, out_dir: str, keep_ctas: int) -> str:
+def _summarize(trace_path: str, out_dir: str, keep_ctas: int,
+               kept_name: str = "trace_first_ctas.json.gz") -> str:
   with open(trace_path) as f:
     events = json.load(f)["traceEvents"]
   data = region_cycles(events)
@@ -97,7 +108,7 @@ def _summarize(trace_path: str, out_dir: str, keep_ctas: int) -> str:
     lines.append(f"  {'(outside)':14s} {mean_span - covered:12,.0f} "
                  f"cycles/CTA {100 * (1 - covered / mean_span):5.1f}%")
   kept = [e for e in events if (e["tid"] - 1) // 3 < keep_ctas]
-  with gzip.open(os.path.join(out_dir, "trace_first_ctas.json.gz"),
+  with gzip.open(os.path.join(out_dir, kept_name),
                  "wt") as f:
     json.dump({"displayTimeUnit": "ns", "traceEvents": kept}, f)
   return "\n".join(lines)
@@ -118,6 +129,8 @@ def main() -> None:
                       help="MosaicGpuConfig fields, field=value")
   parser.add_argument("--keep-ctas", type=int, default=4,
                       help="CTAs whose raw events are saved")
+  parser.add_argument("--backward", action="store_true",
+                      help="run forward and backward, profile the backward's kernels")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
@@ -145,12 +158,31 @@ def main() -> None:
       (batch, args.seq, heads, args.head_dim)), jnp.bfloat16)
       for _ in range(3))
 
-  def attend(q, k, v):
+  def forward(q, k, v):
     return jflash.dot_product_attention(q, k, v, is_causal=args.causal,
                                         implementation=implementation)
-  plain = jax.jit(attend)
   flops = 4 * batch * heads * args.seq ** 2 * args.head_dim
   flops /= 2 if args.causal else 1
+  plain_params = common.COMPILER_PARAMS
+  profiled_params = None  # set below, once the dump directory exists
+  if args.backward:
+    cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+
+    def attend(q, k, v):
+      # The forward is traced by jax.vjp, the backward's kernels only when
+      # the cotangent is pulled back: only they see the profiled params.
+      out, vjp = jax.vjp(forward, q, k, v)
+      if profiled_params is not None:
+        common.COMPILER_PARAMS = profiled_params
+      try:
+        grads = vjp(cotangent)
+      finally:
+        common.COMPILER_PARAMS = plain_params
+      return out, grads
+    flops *= 3.5
+  else:
+    attend = forward
+  plain = jax.jit(attend)
   ms = time_function(plain, [(q, k, v)], TimerConfig(repeats=5,
                                                      warmup=2))["ms"]
   os.makedirs(args.out, exist_ok=True)
@@ -158,9 +190,11 @@ def main() -> None:
            f"causal={args.causal} config={config or 'default'}: unprofiled "
            f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s"]
   dump = tempfile.mkdtemp()
-  common.COMPILER_PARAMS = dataclasses.replace(
-      common.COMPILER_PARAMS, profile_space=args.space, profile_dir=dump,
+  profiled_params = dataclasses.replace(
+      plain_params, profile_space=args.space, profile_dir=dump,
       profile_bounds_check=True)
+  if not args.backward:
+    common.COMPILER_PARAMS = profiled_params
   profiled = jax.jit(lambda q, k, v: attend(q, k, v))
   # Warm the clocks with the unprofiled kernel, then one profiled call
   # (each compiled profiled kernel writes one trace).
@@ -169,8 +203,10 @@ def main() -> None:
   jax.effects_barrier()
   traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
   if not traces:
-    raise SystemExit(f"no forward trace in {dump}: {os.listdir(dump)}")
-  lines.append(_summarize(traces[-1], args.out, args.keep_ctas))
+    raise SystemExit(f"no trace in {dump}: {os.listdir(dump)}")
+  for n, trace in enumerate(traces if args.backward else traces[-1:]):
+    lines.append(_summarize(trace, args.out, args.keep_ctas,
+                            f"trace{n}_first_ctas.json.gz"))
   shutil.rmtree(dump)
   text = "\n".join(lines)
   print(text)

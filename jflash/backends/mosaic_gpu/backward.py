@@ -46,6 +46,10 @@ Array = jax.Array
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
+# Named regions of the dK/dV kernel: spans in a Mosaic GPU profile (compiler
+# params with profile_space, as tools/forward_trace.py --backward sets
+# them), and nothing otherwise.
+_region = jax.named_scope
 
 
 def _optional(**arrays):
@@ -107,7 +111,8 @@ class QueryRing:
 
       @pl.when(used >= stages)
       def _():
-        plgpu.barrier_wait(self.q_free.at[slot])
+        with _region("q_free_wait"):
+          plgpu.barrier_wait(self.q_free.at[slot])
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], self.q.at[slot],
                               self.q_ready.at[slot])
       plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
@@ -118,7 +123,8 @@ class QueryRing:
 
       @pl.when(used >= stages)
       def _():
-        plgpu.barrier_wait(self.do_free.at[slot])
+        with _region("do_free_wait"):
+          plgpu.barrier_wait(self.do_free.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], self.do.at[slot],
                               self.do_ready.at[slot])
 
@@ -132,8 +138,9 @@ class QueryRing:
     With ``v_smem``, ``dP^T = V dO^T`` is issued right after ``K Q^T``
     and returned third: ``P`` is formed while the tensor cores compute it
     (dO is waited for first)."""
-    plgpu.barrier_wait(self.q_ready.at[slot])
-    plgpu.barrier_wait(self.stats_ready.at[slot])
+    with _region("q_wait"):
+      plgpu.barrier_wait(self.q_ready.at[slot])
+      plgpu.barrier_wait(self.stats_ready.at[slot])
     q_seg = None
     if self.segments is not None:
       plgpu.barrier_wait(self.segments_ready.at[slot])
@@ -143,15 +150,20 @@ class QueryRing:
         plgpu.load(self.stats.at[slot, 0], layout=_COL), tile)
 
     if v_smem is not None:
-      plgpu.barrier_wait(self.do_ready.at[slot])
+      with _region("do_wait"):
+        plgpu.barrier_wait(self.do_ready.at[slot])
 
       def products(s_ref, dp_ref):
-        plgpu.wgmma(s_ref, k_smem, self.q.at[slot].transpose((1, 0)))
-        plgpu.wgmma(dp_ref, v_smem, self.do.at[slot].transpose((1, 0)))
-        p, derivative = _probabilities(
-            plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits, full,
-            lambda s: mask(s, q_seg), lse2)
-        return p, derivative, dp_ref[...]
+        with _region("s_wait"):
+          plgpu.wgmma(s_ref, k_smem, self.q.at[slot].transpose((1, 0)))
+          plgpu.wgmma(dp_ref, v_smem, self.do.at[slot].transpose((1, 0)))
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        with _region("p"):
+          p, derivative = _probabilities(s, logits, full,
+                                         lambda s: mask(s, q_seg), lse2)
+        with _region("dp_wait"):
+          dp = dp_ref[...]
+        return p, derivative, dp
       return pl.run_scoped(products, plgpu.ACC(tile, jnp.float32),
                            plgpu.ACC(tile, jnp.float32))
 
@@ -371,8 +383,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
           kv_seg = broadcast_rows(
               plgpu.load(kvseg_smem2.at[buffer], layout=_ROW), tile)
-        plgpu.barrier_wait(kv_ready.at[3 * buffer])
-        plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
+        with _region("k_wait"):
+          plgpu.barrier_wait(kv_ready.at[3 * buffer])
+          plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
 
         def step(i, carry):
           (dk, dv), step_class = carry
@@ -415,10 +428,13 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               dv_ref, dk_ref = refs
               plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
               # dS while the tensor cores compute dV.
-              ds = _score_gradient(p, dp, delta, derivative)
-              plgpu.wgmma(dk_ref, ds.astype(dtype), ring.q.at[slot])
-            dv, dk = pl.run_state(dv_dk_products)(
-                (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+              with _region("ds"):
+                ds = _score_gradient(p, dp, delta, derivative)
+                ds = ds.astype(dtype)
+              plgpu.wgmma(dk_ref, ds, ring.q.at[slot])
+            with _region("dv_dk"):
+              dv, dk = pl.run_state(dv_dk_products)(
+                  (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           elif want_dv:
             p, derivative = ring.probabilities(
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
@@ -463,22 +479,24 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         if split_outputs:
           # Neither K nor V is read any more once both are done.
           both_consumers_meet()
-        if separate_outputs:
-          if loads_keys:
-            next_exists, next_where = next_item
-            pl.when(next_exists)(lambda: load_keys(*next_where, buffer))
-          # The previous item's output copies must have read their buffers.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        written = []
-        if want_dk:
-          dk_smem2.at[buffer][...] = (dk * logits.scale).astype(dtype)
-          written.append((dk_smem2.at[buffer], dk_ref))
-        if want_dv:
-          dv_smem2.at[buffer][...] = dv.astype(dtype)
-          written.append((dv_smem2.at[buffer], dv_ref))
-        plgpu.commit_smem()
-        for smem, out_ref in written:
-          plgpu.copy_smem_to_gmem(smem, out_ref.at[b, rows, kv_head])
+        with _region("epilogue"):
+          if separate_outputs:
+            if loads_keys:
+              next_exists, next_where = next_item
+              pl.when(next_exists)(lambda: load_keys(*next_where, buffer))
+            # The previous item's output copies must have read their
+            # buffers.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          written = []
+          if want_dk:
+            dk_smem2.at[buffer][...] = (dk * logits.scale).astype(dtype)
+            written.append((dk_smem2.at[buffer], dk_ref))
+          if want_dv:
+            dv_smem2.at[buffer][...] = dv.astype(dtype)
+            written.append((dv_smem2.at[buffer], dv_ref))
+          plgpu.commit_smem()
+          for smem, out_ref in written:
+            plgpu.copy_smem_to_gmem(smem, out_ref.at[b, rows, kv_head])
         return first_step + steps
 
       @pl.when(wg < 2)
