@@ -351,14 +351,14 @@ def test_per_length_entries_apply_up_to_their_length(monkeypatch):
 
 
 def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
-  """At head dim 128 the fused backward is the default from 8192 keys when
+  """At head dim 128 the fused backward is the default from 4096 keys when
   every query sees the same keys (no causal mask, window, soft cap or
   segment ids), and never at head dims 64 or 256; dQ-pass tiles set by the
   caller keep the two-pass backward at every length."""
-  assert mosaic_gpu.default_config(128, 8192).fuse_dq
-  assert mosaic_gpu.default_config(128, 8192).dq_slots == 1
+  assert mosaic_gpu.default_config(128, 4096).fuse_dq
+  assert mosaic_gpu.default_config(128, 4096).dq_slots == 1
   assert mosaic_gpu.default_config(100, 16384).fuse_dq
-  assert not mosaic_gpu.default_config(128, 8191).fuse_dq
+  assert not mosaic_gpu.default_config(128, 4095).fuse_dq
   assert not mosaic_gpu.default_config(128).fuse_dq
   assert not mosaic_gpu.default_config(64, 65536).fuse_dq
   assert not mosaic_gpu.default_config(256, 65536).fuse_dq
@@ -374,7 +374,7 @@ def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
   assert MosaicGpuConfig(dq_slots=2).resolved(128, 16384).dq_slots == 2
   assert not MosaicGpuConfig(fuse_dq=False).resolved(128, 16384).fuse_dq
   with pytest.raises(ValueError, match="dq_slots"):
-    MosaicGpuConfig(dq_slots=2).resolved(128, 4096)
+    MosaicGpuConfig(dq_slots=2).resolved(128, 2048)
   with pytest.raises(ValueError, match="block_kv_dq"):
     MosaicGpuConfig(fuse_dq=True, block_kv_dq=64).resolved(128, 16384)
   # Copies of a row at another length stay valid.

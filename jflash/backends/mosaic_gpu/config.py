@@ -281,7 +281,9 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # The fused backward (five tile products instead of seven) pays for itself
 # once every query sees many keys, so that the fixed-order dQ accumulation
 # rarely makes a CTA wait.  On an H200 at head dim 128 without a mask:
-# +5.6% fwd+bwd at 16384 keys; -12% at 1024.  One dQ accumulator: at 16384
+# +5.6% fwd+bwd at 16384 keys; at 4096 +4% in one call (507 against 486
+# TFLOP/s) and +6% in another, A B A B (497.9, 496.2 against 463.8,
+# 469.3); -12% at 1024.  One dQ accumulator: at 16384
 # keys one, two and four ran at the same speed there (525.0, 530.9, 527.6
 # TFLOP/s), and each takes 4 bytes per element of Q (four broke the linear
 # memory bound at 131072 keys).  A mask whose visible keys move with the
@@ -291,7 +293,7 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # diagonal query block, after the block before it); a 1024-key window lost
 # 9% even with four; at head dim 64 it lost 6% (4096 causal).  Soft caps
 # and segment ids are unmeasured with it and keep the two-pass backward.
-_FUSED_MIN_KEYS = {64: None, 128: 8192, 256: None}
+_FUSED_MIN_KEYS = {64: None, 128: 4096, 256: None}
 
 
 def tuned_config(head_dim: int, kv_len: int | None = None
@@ -319,7 +321,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   Rules, in order:
 
   * the tuned table (:func:`tuned_config`);
-  * the fused backward (``fuse_dq``) at head dim 128 from 8192 keys
+  * the fused backward (``fuse_dq``) at head dim 128 from 4096 keys
     (``kv_len``) when every query sees the same keys: not ``causal``, no
     ``window``, no soft cap and no segment ids; with one dQ accumulator;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
