@@ -16,11 +16,11 @@ times are a little off; the split between regions is the point.
 With ``--backward`` the call is forward and backward (a gradient with a
 random cotangent), only the backward's kernels are profiled (the
 forward's ring leaves no shared memory for the buffer at head dim 64),
-and each one's trace is summarized: the dK/dV
-kernel's consumers mark ``k_wait``, ``q_wait``, ``do_wait``, ``s_wait``
-(``S`` and ``dP`` issued, ``S`` waited for), ``p``, ``dp_wait``,
-``dv_dk`` (the two accumulating products, with ``ds`` inside it) and
-``epilogue``; its producer ``q_free_wait`` and ``do_free_wait``.
+and each one's trace is summarized: the dK/dV kernel's consumers mark
+``k_wait``, ``q_wait``, ``do_wait``, ``s_wait`` (``S`` and ``dP``
+issued, ``S`` waited for), ``p``, ``dp_wait``, ``dv_dk`` (the two
+accumulating products, with ``ds`` inside it) and ``epilogue``; its
+producer ``q_free_wait`` and ``do_free_wait``.
 
 Usage (from the repository root, on the GPU)::
 
@@ -108,8 +108,7 @@ def _summarize(trace_path: str, out_dir: str, keep_ctas: int,
     lines.append(f"  {'(outside)':14s} {mean_span - covered:12,.0f} "
                  f"cycles/CTA {100 * (1 - covered / mean_span):5.1f}%")
   kept = [e for e in events if (e["tid"] - 1) // 3 < keep_ctas]
-  with gzip.open(os.path.join(out_dir, kept_name),
-                 "wt") as f:
+  with gzip.open(os.path.join(out_dir, kept_name), "wt") as f:
     json.dump({"displayTimeUnit": "ns", "traceEvents": kept}, f)
   return "\n".join(lines)
 
@@ -130,7 +129,8 @@ def main() -> None:
   parser.add_argument("--keep-ctas", type=int, default=4,
                       help="CTAs whose raw events are saved")
   parser.add_argument("--backward", action="store_true",
-                      help="run forward and backward, profile the backward's kernels")
+                      help="run forward and backward, profile the "
+                      "backward's kernels")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
