@@ -5,9 +5,11 @@ It serves only calls whose meaning cuDNN reproduces exactly, and declines
 segment ids, soft cap, dense boolean masks (whose fully hidden rows cuDNN
 does not define), windows without ``is_causal`` (cuDNN supports only a left
 window), ``return_residual=True`` (``jax.nn`` stops the gradient of cuDNN's
-logsumexp; jflash's is differentiable), float32/float64 inputs, head dims that are not multiples of 8 or
-above 256, and platforms other than CUDA GPUs.  Rows with no visible key are
-set to zeros and a logsumexp of ``-inf``, as for every jflash backend.
+logsumexp; jflash's is differentiable), a scale that is not positive (cuDNN
+returns NaN for it, measured on an H200), float32/float64 inputs, head dims
+that are not multiples of 8 or above 256, and platforms other than CUDA
+GPUs.  Rows with no visible key are set to zeros and a logsumexp of
+``-inf``, as for every jflash backend.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class CudnnBackend:
       _decline("a dense boolean mask is not supported")
     if mask.window is not None and not mask.is_causal:
       _decline("local_window_size needs is_causal=True")
+    if not call.scale > 0:
+      # cuDNN's kernels return NaN for a zero or negative scale.
+      _decline(f"needs a positive scale, got {call.scale}")
     if call.returns_residual:
       _decline("jax.nn's cuDNN path returns a logsumexp without gradient")
     try:
