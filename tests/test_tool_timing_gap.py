@@ -47,7 +47,7 @@ def test_enqueue_groups_time_each_call_and_rotate_inputs():
   # Consecutive calls take consecutive input sets.
   assert [c[0] for c in calls] == [i % 3 for i in range(12)]
   for ms, window in rows:
-    assert seconds * 1e3 <= ms < seconds * 1e3 + 20
+    assert seconds * 1e3 <= ms < seconds * 1e3 + 200
     assert window["sm_mhz"] == 1500.0
   assert len(clocks.windows) == 3
 
@@ -64,7 +64,7 @@ def test_sustained_reports_its_second_half_and_rates_per_clock():
   ms, rate, got_mhz, watts, per_ghz = (float(x) for x in re.search(
       r"sustained 0 s: ([\d.]+) ms \(([\d.]+) TFLOP/s, (\d+) MHz, (\d+) W, "
       r"([\d.]+) TFLOP/s per GHz\)", text).groups())
-  assert seconds * 1e3 <= ms < seconds * 1e3 + 20
+  assert seconds * 1e3 <= ms < seconds * 1e3 + 200
   # The printed figures round the per-call time; the rate follows from it.
   assert abs(rate - flops / ms / 1e9) <= 0.05 * rate
   assert round(mhz) == got_mhz and watts == 690
