@@ -52,7 +52,8 @@ def _offline_compiler(plugin: str):
 
 
 # Masks the kernels are compiled for (--mask): dot_product_attention
-# keyword arguments on a [1, 1024, 2, H] input.
+# keyword arguments on a [1, T, 2, H] input (T = --seq-len, 1024 unless
+# given).
 _MASKS = {
     "causal": dict(is_causal=True),
     "none": {},
@@ -62,17 +63,18 @@ _MASKS = {
 }
 
 
-def _mask_kwargs(name: str) -> dict:
+def _mask_kwargs(name: str, seq_len: int = 1024) -> dict:
   kwargs = dict(_MASKS[name])
-  if name == "segments":
+  if name == "segments":  # four segments of about equal length
     import jax.numpy as jnp  # noqa: PLC0415 (the child process only)
-    kwargs["segment_ids"] = jnp.repeat(jnp.arange(4, dtype=jnp.int32),
-                                       256)[None]
+    kwargs["segment_ids"] = (jnp.arange(seq_len, dtype=jnp.int32) * 4
+                             // seq_len)[None]
   return kwargs
 
 
 def _compile(fields: dict, head_dims: list[int], plugin: str | None,
-             mask: str = "causal", heads: int = 2) -> None:
+             mask: str = "causal", heads: int = 2,
+             seq_len: int = 1024) -> None:
   import jax  # noqa: PLC0415 (the child process only)
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import core  # noqa: PLC0415
@@ -90,8 +92,8 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None,
   for head_dim in head_dims:
     if head_dim > 128 and fields.get("fuse_dq"):
       continue  # the fused backward serves head dims up to 128
-    q = jnp.ones((1, 1024, heads, head_dim), jnp.bfloat16)
-    kwargs = _mask_kwargs(mask)
+    q = jnp.ones((1, seq_len, heads, head_dim), jnp.bfloat16)
+    kwargs = _mask_kwargs(mask, seq_len)
     loss = lambda q, k, v: jflash.dot_product_attention(  # noqa: E731
         q, k, v, implementation=backend, **kwargs).astype(jnp.float32).sum()
     print(f"=== head dim {head_dim}", flush=True)
@@ -142,10 +144,14 @@ def main() -> None:
   parser.add_argument("--mask", default="causal", choices=sorted(_MASKS),
                       help="the mask the kernels are compiled for")
   parser.add_argument("--heads", type=int, default=2,
-                      help="heads of the [1, 1024, heads, H] inputs; with "
+                      help="heads of the [1, T, heads, H] inputs; with "
                       "more than about 16 the persistent kernels get "
                       "several items per CTA, whose code (the next item's "
                       "loads, chain_items) is otherwise folded away")
+  parser.add_argument("--seq-len", type=int, default=1024,
+                      help="T of the inputs (queries and keys); a length "
+                      "that is not a multiple of the tiles compiles the "
+                      "tail tiles' code paths")
   parser.add_argument("--turn-gap", action="store_true",
                       help="also compile the forward kernels' PTX to SASS "
                       "(ptxas and nvdisasm from PATH, or --offline's) and "
@@ -158,14 +164,15 @@ def main() -> None:
   fields = _parse_config(args.config)
   head_dims = [int(h) for h in args.head_dims.split(",")]
   if args.compile_only:
-    _compile(fields, head_dims, args.plugin, args.mask, args.heads)
+    _compile(fields, head_dims, args.plugin, args.mask, args.heads,
+             args.seq_len)
     return
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
   if args.sass:
     env["MOSAIC_GPU_DUMP_SASS"] = "1"
   child = [sys.executable, __file__, "--compile-only", "--head-dims",
            args.head_dims, "--mask", args.mask, "--heads", str(args.heads),
-           "--config", *args.config]
+           "--seq-len", str(args.seq_len), "--config", *args.config]
   if args.offline:
     root = os.path.abspath(args.offline)
     unpacked = os.path.join(root, "unpacked")
