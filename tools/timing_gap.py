@@ -111,11 +111,11 @@ def main() -> None:
       for impl in impls:
         attend = impl.build(cell)
         for pass_name in args.passes:
-          fn = impl_fn = impls_lib.pass_function(attend, pass_name)
+          fn = impls_lib.pass_function(attend, pass_name)
           flops = cells_lib.forward_flops(cell) * (
               3.5 if pass_name == "fwdbwd" else 1.0)
-          for s in input_sets:
-            jax.block_until_ready(impl_fn(*s))
+          for inputs in input_sets:  # compiles, and warms every input set
+            jax.block_until_ready(fn(*inputs))
           _, timings = profiler.measure(fn, aggregate=False,
                                         iterations=10)(*input_sets[0])
           sums = [sum(ms for _, ms in t) for t in timings]
