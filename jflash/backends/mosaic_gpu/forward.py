@@ -648,7 +648,12 @@ def _exponentials(qk: Array, m: Array, *, full, masked,
     m_new = _reference(m, qk.max(axis=1) * factor, slack)
     p = common.exp2_split(qk * factor - broadcast_rows(m_new, tile),
                           fma_columns)
-  return p, m_new, jnp.exp2(m - m_new)
+  rescale = jnp.exp2(m - m_new)
+  if slack:
+    # Exactly 1 where the reference stayed: O is then left alone, and the
+    # row sums must not drift from it by the exponential's rounding.
+    rescale = jnp.where(m_new > m, rescale, 1.0)
+  return p, m_new, rescale
 
 
 def _reference(m: Array, tile_max: Array, slack: float) -> Array:
