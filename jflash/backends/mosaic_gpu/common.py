@@ -9,9 +9,12 @@ import math
 
 import jax
 import jax.experimental.pallas as pl
+import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from jflash import masks
@@ -262,9 +265,6 @@ def rows_grew(m_old: Array, m_new: Array) -> Array:
       return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
                                          layout=plgpu.Layout.WG_SPLAT(())))
   def any_above_zero(_, growth):
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax._src.lib.mlir.dialects import arith, vector  # noqa: PLC0415
-    from jax.experimental import mosaic  # noqa: PLC0415
     f32 = ir.F32Type.get()
     zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
     grew = None
@@ -279,7 +279,7 @@ def rows_grew(m_old: Array, m_new: Array) -> Array:
         c = arith.cmpf(arith.CmpFPredicate.OGT, e, zero)
         grew = c if grew is None else arith.ori(grew, c)
     i32 = ir.IntegerType.get_signless(32)
-    return mosaic.gpu.FragmentedArray.splat(
+    return mgpu.FragmentedArray.splat(
         arith.extui(i32, grew), (), is_signed=True)
   return any_above_zero(m_new - m_old)
 
