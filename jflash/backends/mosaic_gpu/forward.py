@@ -57,7 +57,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         overlap_qk: bool = False,
                         qk_after_pv: bool = False,
                         chain_items: bool = False,
-                        fma_exp2_columns: int = 0) -> tuple[Array, Array]:
+                        fma_exp2_columns: int = 0,
+                        q_pad: int | None = None,
+                        kv_pad: int | None = None) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -91,11 +93,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       multiple of 8) take their exponentials on the FMA units instead of
       the special-function unit.
 
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
   Returns:
-    ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
+    ``out`` shaped as ``q`` and the natural-log logsumexp ``[B, N, Tp]``
     float32 (``-inf`` for rows that see no key; their output is zero).
   """
-  batch, q_pad, num_heads, head_dim = q.shape
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad = q_pad or q_rows
+  del kv_pad  # the schedule's tiles cover the keys
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
