@@ -745,3 +745,48 @@ def test_persistent_items_deal_every_item_once(num_heads, batch, blocks):
     per_cta.append(len(mine))
   assert sorted(seen) == list(range(num_heads * batch * blocks))
   assert max(per_cta) - min(per_cta) <= 1
+
+
+@pytest.mark.parametrize("head_dim,fuse_dq", [(64, False), (128, True),
+                                              (192, False)])
+def test_sequences_are_padded_only_to_row_groups_of_eight(head_dim, fuse_dq):
+  """The kernels tile the padded extents but get the arrays at their own
+  lengths (rounded up to 8 rows): the tail tiles come through TMA's zero
+  fill, so no copy pads Q, K, V or dO to a whole tile."""
+  rng = _rng()
+  t, s = (int(x) for x in rng.integers(300, 700, size=2))
+  mask = masks.AttentionMask(batch=2, q_len=t, kv_len=s, is_causal=True)
+  config = MosaicGpuConfig(fuse_dq=fuse_dq).resolved(head_dim, s)
+  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+                          logits=LogitTransform(0.1, None), config=config,
+                          head_dim=head_dim)
+  pads = mosaic_gpu._padding(mask, plan)
+  q_rows, kv_rows = -(-t // 8) * 8, -(-s // 8) * 8
+  assert (pads.q_rows, pads.kv_rows) == (q_rows, kv_rows)
+  assert pads.q_pad >= q_rows and pads.kv_pad >= kv_rows
+  assert pads.q_pad % config.block_q_dkv == 0
+  assert pads.kv_pad % (2 * config.block_kv_dkv) == 0
+  q = jax.ShapeDtypeStruct((2, t, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, s, 2, head_dim), jnp.bfloat16)
+  text = _cuda_lowering(_forward_and_backward(mask, plan), q, kv)
+  hp = pads.head_pad
+  calls = [line for line in text.splitlines()
+           if "custom_call @mosaic_gpu" in line]
+  assert len(calls) == (2 if fuse_dq else 3)
+  operands = " ".join(calls)
+  assert f"tensor<2x{q_rows}x4x{hp}xbf16>" in operands
+  assert f"tensor<2x{kv_rows}x2x{hp}xbf16>" in operands
+  for extent, heads in ((pads.q_pad, 4), (pads.kv_pad, 2)):
+    if extent not in (q_rows, kv_rows):
+      assert f"tensor<2x{extent}x{heads}x{hp}xbf16>" not in operands
+
+
+def test_sequences_shorter_than_a_tile_are_padded_to_it():
+  mask = masks.AttentionMask(batch=1, q_len=40, kv_len=30, is_causal=False)
+  config = MosaicGpuConfig().resolved(128, 30)
+  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+                          logits=LogitTransform(0.1, None), config=config,
+                          head_dim=128)
+  pads = mosaic_gpu._padding(mask, plan)
+  assert (pads.q_rows, pads.kv_rows) == (pads.q_pad, pads.kv_pad)
+  assert pads.q_pad >= 64 and pads.kv_pad >= 64

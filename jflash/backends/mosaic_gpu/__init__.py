@@ -114,8 +114,24 @@ class MosaicGpuBackend:
 # ------------------------------------------------------------------ layout
 @dataclasses.dataclass(frozen=True)
 class _Padded:
+  """Extents of a call's kernels.
+
+  Attributes:
+    q_pad, kv_pad: the tiled query and key extents, multiples of every
+      pass's tiles; the schedules, tile classes and row statistics cover
+      them.
+    q_rows, kv_rows: the lengths of the query and key arrays the kernels
+      get: the call's own rounded up to a multiple of 8, or the tiled
+      extent when the call's is shorter than one tile.  Between them and
+      the tiled extents TMA reads zeros and drops writes; the tail tiles
+      are masked by the true lengths.
+    head_pad: the head dim the kernels run at.
+  """
+
   q_pad: int
   kv_pad: int
+  q_rows: int
+  kv_rows: int
   head_pad: int
 
 
@@ -126,9 +142,23 @@ def _padding(mask: masks.AttentionMask, plan: _Plan) -> _Padded:
   dq_q, dq_kv = (1, 1) if c.fuse_dq else (2 * c.block_q_dq, c.block_kv_dq)
   q_multiple = math.lcm(2 * c.block_q, dq_q, c.block_q_dkv)
   kv_multiple = math.lcm(c.block_kv, dq_kv, 2 * c.block_kv_dkv)
-  return _Padded(round_up(mask.q_len, q_multiple),
-                 round_up(mask.kv_len, kv_multiple),
+  q_pad = round_up(mask.q_len, q_multiple)
+  kv_pad = round_up(mask.kv_len, kv_multiple)
+  # A TMA copy's box may pass the end of the array but not exceed it, and
+  # the array's rows come in the shared-memory tiling's groups of 8.
+  q_tile = max(c.block_q, c.block_q_dkv, 1 if c.fuse_dq else c.block_q_dq)
+  kv_tile = max(c.block_kv, c.block_kv_dkv,
+                1 if c.fuse_dq else c.block_kv_dq)
+
+  def rows(length, tile, extent):
+    return round_up(length, _ROW_GROUP) if length >= tile else extent
+  return _Padded(q_pad, kv_pad, rows(mask.q_len, q_tile, q_pad),
+                 rows(mask.kv_len, kv_tile, kv_pad),
                  padded_head_dim(plan.head_dim))
+
+
+# Rows of the shared-memory tiles' (8, 64) tiling.
+_ROW_GROUP = 8
 
 
 def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
@@ -252,10 +282,15 @@ def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
 
 
 def _pad_inputs(q, k, v, pads: _Padded):
-  q = pad_axis(pad_axis(q, 1, pads.q_pad), 3, pads.head_pad)
-  k = pad_axis(pad_axis(k, 1, pads.kv_pad), 3, pads.head_pad)
-  v = pad_axis(pad_axis(v, 1, pads.kv_pad), 3, pads.head_pad)
+  q = pad_axis(pad_axis(q, 1, pads.q_rows), 3, pads.head_pad)
+  k = pad_axis(pad_axis(k, 1, pads.kv_rows), 3, pads.head_pad)
+  v = pad_axis(pad_axis(v, 1, pads.kv_rows), 3, pads.head_pad)
   return q, k, v
+
+
+def _extents(pads: _Padded) -> dict:
+  """The kernels' ``q_pad`` and ``kv_pad`` arguments."""
+  return dict(q_pad=pads.q_pad, kv_pad=pads.kv_pad)
 
 
 # ---------------------------------------------------------------- passes
@@ -273,7 +308,7 @@ def _forward(q, k, v, mask, plan: _Plan):
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
       overlap_qk=c.overlap_qk, qk_after_pv=c.qk_after_pv,
       chain_items=c.chain_items,
-      fma_exp2_columns=c.fma_exp2_columns)
+      fma_exp2_columns=c.fma_exp2_columns, **_extents(pads))
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 
@@ -348,11 +383,12 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   c = plan.config
   pads = _padding(mask, plan)
   qp, kp, vp = _pad_inputs(q, k, v, pads)
-  dop = pad_axis(pad_axis(d_out.astype(q.dtype), 1, pads.q_pad), 3,
+  dop = pad_axis(pad_axis(d_out.astype(q.dtype), 1, pads.q_rows), 3,
                   pads.head_pad)
   stats = _row_statistics(out, d_out, lse, d_lse, pads.q_pad)
   extras = _mask_inputs(mask, pads)
-  common_args = dict(spec=plan.spec, logits=plan.logits, **extras)
+  common_args = dict(spec=plan.spec, logits=plan.logits, **extras,
+                     **_extents(pads))
   t, s, h = mask.q_len, mask.kv_len, plan.head_dim
   if c.fuse_dq:
     slots = _fused_slots(c, pads)

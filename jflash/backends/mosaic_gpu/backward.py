@@ -268,7 +268,9 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     logits: LogitTransform, block_q: int, block_kv: int,
                     stages: int,
                     split_outputs: bool = False,
-                    overlap_sdp: bool = False) -> tuple[Array, Array]:
+                    overlap_sdp: bool = False,
+                    q_pad: int | None = None,
+                    kv_pad: int | None = None) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
   Args:
@@ -286,11 +288,18 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       still reads Q and dO once for both outputs, and forms ``P`` once (in
       the dV warpgroup, which hands it over through shared memory).
 
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
   Returns:
-    ``(dk, dv)``, each ``[B, Sp, K, Hp]`` in the input dtype.
+    ``(dk, dv)``, each shaped as ``k``, in the input dtype.
   """
-  batch, q_pad, num_heads, head_dim = q.shape
-  kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+  batch, _, num_heads, head_dim = q.shape
+  kv_pad = kv_pad or k.shape[1]
+  del q_pad  # the schedule's tiles cover the queries
+  num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
   tile = (block_kv, block_q)  # transposed: keys are the rows here

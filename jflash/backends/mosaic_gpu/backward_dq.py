@@ -36,7 +36,9 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                    q_segments: Array | None, kv_segments: Array | None,
                    spec: MaskSpec, logits: LogitTransform, block_q: int,
                    block_kv: int, stages: int,
-                   overlap_sdp: bool = False) -> Array:
+                   overlap_sdp: bool = False,
+                   q_pad: int | None = None,
+                   kv_pad: int | None = None) -> Array:
   """dQ on padded inputs (layouts as in
   :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
 
@@ -50,10 +52,17 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
       take query blocks (:func:`jflash.masks.heaviest_first`).
 
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
   Returns:
-    ``dq [B, Tp, N, Hp]`` in the input dtype.
+    ``dq`` shaped as ``q``, in the input dtype.
   """
-  batch, q_pad, num_heads, head_dim = q.shape
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad = q_pad or q_rows
+  del kv_pad  # the schedule's tiles cover the keys
   group = num_heads // k.shape[2]
   dtype = q.dtype
   tile = (block_q, block_kv)

@@ -82,7 +82,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
                         slots: int = 1,
-                        overlap_sdp: bool = False
+                        overlap_sdp: bool = False,
+                        q_pad: int | None = None,
+                        kv_pad: int | None = None
                         ) -> tuple[Array, Array, Array]:
   """dQ (unscaled, float32), dK and dV on padded inputs.
 
@@ -98,17 +100,22 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       accumulator (:func:`jflash.masks.earlier_visitors` with ``slots``)
       visit the same query tile.
     slots: the number of dQ accumulators.
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
 
   Returns:
     ``dq_sums [slots * B, Tp, N, Hp]`` float32, accumulator ``r`` of batch
     row ``b`` at ``r * B + b``: the sum of ``dS K`` over the visiting key
     blocks ``j`` with ``j % slots == r`` (summed over ``r`` and times
     ``scale`` it is dQ; rows of query tiles that no such key block visits
-    are left unwritten), and ``dk``, ``dv`` ``[B, Sp, K, Hp]`` in the input
+    are left unwritten), and ``dk``, ``dv`` shaped as ``k``, in the input
     dtype.
   """
-  batch, q_pad, num_heads, head_dim = q.shape
-  kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad, kv_pad = q_pad or q_rows, kv_pad or k.shape[1]
+  num_kv_heads = k.shape[2]
   if head_dim > 128:
     raise ValueError(f"the fused backward serves head dims up to 128, got "
                      f"{head_dim}")
@@ -363,7 +370,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
     )
 
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  dq_type = jax.ShapeDtypeStruct((slots * batch,) + q.shape[1:], jnp.float32)
+  dq_type = jax.ShapeDtypeStruct((slots * batch, q_pad) + q.shape[2:],
+                                 jnp.float32)
   return plgpu.kernel(
       kernel,
       out_type=(dq_type, kv_type, kv_type),

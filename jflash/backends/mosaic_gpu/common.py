@@ -9,9 +9,12 @@ import math
 
 import jax
 import jax.experimental.pallas as pl
+import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from jflash import masks
@@ -248,6 +251,37 @@ class LogitTransform:
       return None
     t = s2 * (1.0 / (self.soft_cap * LOG2E))
     return 1.0 - t * t
+
+
+def rows_grew(m_old: Array, m_new: Array) -> Array:
+  """int32 1 in a thread if the running maximum of any row it holds grew
+  (``m_new > m_old``, WGMMA row vectors), else 0.  Thread-local: threads
+  of a warpgroup may differ, so it may only choose between branches that
+  hold no warpgroup-wide operation (a ``wgmma``, a barrier)."""
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(
+      arg_types=(row_layout,),
+      return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
+                                         layout=plgpu.Layout.WG_SPLAT(())))
+  def any_above_zero(_, growth):
+    f32 = ir.F32Type.get()
+    zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
+    grew = None
+    for reg in growth.registers.flat:
+      if isinstance(reg.type, ir.VectorType):
+        elems = [vector.extract(reg, dynamic_position=[],
+                                static_position=ir.DenseI64ArrayAttr.get([i]))
+                 for i in range(ir.VectorType(reg.type).shape[0])]
+      else:
+        elems = [reg]
+      for e in elems:
+        c = arith.cmpf(arith.CmpFPredicate.OGT, e, zero)
+        grew = c if grew is None else arith.ori(grew, c)
+    i32 = ir.IntegerType.get_signless(32)
+    return mgpu.FragmentedArray.splat(
+        arith.extui(i32, grew), (), is_signed=True)
+  return any_above_zero(m_new - m_old)
 
 
 def broadcast_rows(x: Array, shape: tuple[int, int]) -> Array:

@@ -57,7 +57,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         overlap_qk: bool = False,
                         qk_after_pv: bool = False,
                         chain_items: bool = False,
-                        fma_exp2_columns: int = 0) -> tuple[Array, Array]:
+                        fma_exp2_columns: int = 0,
+                        q_pad: int | None = None,
+                        kv_pad: int | None = None) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -91,11 +93,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       multiple of 8) take their exponentials on the FMA units instead of
       the special-function unit.
 
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
   Returns:
-    ``out [B, Tp, N, Hp]`` and the natural-log logsumexp ``[B, N, Tp]``
+    ``out`` shaped as ``q`` and the natural-log logsumexp ``[B, N, Tp]``
     float32 (``-inf`` for rows that see no key; their output is zero).
   """
-  batch, q_pad, num_heads, head_dim = q.shape
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad = q_pad or q_rows
+  del kv_pad  # the schedule's tiles cover the keys
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
@@ -315,10 +324,15 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           with _region("softmax"):
             p, m_new, rescale = _exponentials(
                 qk, m, full=step_class == masks.FULL, logits=logits,
-                masked=mask_step, fma_columns=fma_exp2_columns)
+                masked=mask_step, fma_columns=fma_exp2_columns,
+                slack=RESCALE_SLACK)
             if segments_ride_k:
               plgpu.barrier_arrive(k_free.at[slot])
-            acc = acc * broadcast_rows(rescale, acc.shape)
+            # O is rescaled only in threads whose rows' maximum moved
+            # (rarely, once the first tiles have set it: see _exponentials).
+            acc = lax.cond(common.rows_grew(m, m_new),
+                           lambda a: a * broadcast_rows(rescale, a.shape),
+                           lambda a: a, acc)
             l = l * rescale
             p_low = p.astype(dtype)
             l = l + p.sum(axis=1)
@@ -617,9 +631,16 @@ def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
       stages * block_kv * 4 if segments else 0)  # key segment ids
 
 
+# How far (base 2) a row's maximum may rise above the reference it was
+# exponentiated against before the plain forward loop moves the reference
+# and rescales O and the row sums: probabilities stay below 2 ** 8, and
+# most steps after the first few leave O alone.
+RESCALE_SLACK = 8.0
+
+
 def _exponentials(qk: Array, m: Array, *, full, masked,
-                  logits: LogitTransform, fma_columns: int = 0
-                  ) -> tuple[Array, Array, Array]:
+                  logits: LogitTransform, fma_columns: int = 0,
+                  slack: float = 0.0) -> tuple[Array, Array, Array]:
   """One online-softmax step from the raw products ``qk`` (``masked``
   applied unless ``full``): the float32 probabilities relative to the new
   row maximum, that maximum, and the factor rescaling earlier sums to it.
@@ -629,14 +650,27 @@ def _exponentials(qk: Array, m: Array, *, full, masked,
   factor = logits.linear_factor
   if factor is None:
     s = lax.cond(full, lambda s: s, masked, logits(qk))
-    m_new = jnp.maximum(m, s.max(axis=1))
+    m_new = _reference(m, s.max(axis=1), slack)
     p = common.exp2_split(s - broadcast_rows(m_new, tile), fma_columns)
   else:  # the maximum of the raw products; one FMA per exponent
     qk = lax.cond(full, lambda s: s, masked, qk)
-    m_new = jnp.maximum(m, qk.max(axis=1) * factor)
+    m_new = _reference(m, qk.max(axis=1) * factor, slack)
     p = common.exp2_split(qk * factor - broadcast_rows(m_new, tile),
                           fma_columns)
-  return p, m_new, jnp.exp2(m - m_new)
+  rescale = jnp.exp2(m - m_new)
+  if slack:
+    # Exactly 1 where the reference stayed: O is then left alone, and the
+    # row sums must not drift from it by the exponential's rounding.
+    rescale = jnp.where(m_new > m, rescale, 1.0)
+  return p, m_new, rescale
+
+
+def _reference(m: Array, tile_max: Array, slack: float) -> Array:
+  """The rows' new reference maximum: the running maximum, moved only when
+  the tile's exceeds the current reference by more than ``slack``."""
+  if not slack:
+    return jnp.maximum(m, tile_max)
+  return jnp.where(tile_max > m + slack, tile_max, m)
 
 
 def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
