@@ -352,16 +352,27 @@ def test_per_length_entries_apply_up_to_their_length(monkeypatch):
 
 
 def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
-  """At head dim 128 the fused backward is the default from 4096 keys when
-  every query sees the same keys (no causal mask, window, soft cap or
-  segment ids), and never at head dims 64 or 256; dQ-pass tiles set by the
-  caller keep the two-pass backward at every length."""
+  """At head dims 64 and 128 the fused backward is the default from 4096
+  keys when every query sees the same keys (no causal mask, window, soft
+  cap or segment ids), never at head dim 256; at head dim 64 it takes two
+  dQ accumulators, 128-query dK/dV tiles and issues S and dP one after the
+  other; dQ-pass
+  tiles set by the caller keep the two-pass backward at every length."""
   assert mosaic_gpu.default_config(128, 4096).fuse_dq
   assert mosaic_gpu.default_config(128, 4096).dq_slots == 1
+  assert mosaic_gpu.default_config(128, 4096).block_q_dkv == 64
   assert mosaic_gpu.default_config(100, 16384).fuse_dq
   assert not mosaic_gpu.default_config(128, 4095).fuse_dq
   assert not mosaic_gpu.default_config(128).fuse_dq
-  assert not mosaic_gpu.default_config(64, 65536).fuse_dq
+  for head_dim in (40, 64):
+    fused = mosaic_gpu.default_config(head_dim, 4096)
+    assert fused.fuse_dq and fused.dq_slots == 2
+    assert fused.block_q_dkv == 128 and not fused.overlap_sdp
+    two_pass = mosaic_gpu.default_config(head_dim, 4095)
+    assert not two_pass.fuse_dq and two_pass.block_q_dkv == 64
+    assert two_pass.overlap_sdp
+    assert not mosaic_gpu.default_config(head_dim, 16384, causal=True).fuse_dq
+  assert MosaicGpuConfig(overlap_sdp=True).resolved(64, 16384).overlap_sdp
   assert not mosaic_gpu.default_config(256, 65536).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, window=(1024, 0)).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, window=(8191, 0)).fuse_dq

@@ -293,7 +293,21 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # diagonal query block, after the block before it); a 1024-key window lost
 # 9% even with four; at head dim 64 it lost 6% (4096 causal).  Soft caps
 # and segment ids are unmeasured with it and keep the two-pass backward.
-_FUSED_MIN_KEYS = {64: None, 128: 4096, 256: None}
+# At head dim 64 the fused kernel with the default 64-query dK/dV tile lost
+# 19% to 23%.  With 128 queries per step (the dQ hand-off amortized over
+# twice the products) and S and dP issued one after the other (together
+# they spill 320 bytes there), on an H200 in one call each
+# (benchmarks/results/2026-12-03-h200-lazy-rescale-h64-fused), fwd+bwd
+# TFLOP/s against the two-pass backward: one accumulator 384.9 and 397.8
+# against 384.9 and 395.1 (S=4096, S=16384); two 431.5 and 453.0, four
+# 423.4 and 452.6 against 385.2 and 396.0.  Two accumulators take
+# 8 * B * T * N * H bytes.
+# Per padded head dim: (fewest keys, fields set with fuse_dq), or None.
+_FUSED_RULE: dict[int, tuple[int, dict] | None] = {
+    64: (4096, dict(block_q_dkv=128, overlap_sdp=False, dq_slots=2)),
+    128: (4096, {}),
+    256: None,
+}
 
 
 def tuned_config(head_dim: int, kv_len: int | None = None
@@ -321,9 +335,11 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   Rules, in order:
 
   * the tuned table (:func:`tuned_config`);
-  * the fused backward (``fuse_dq``) at head dim 128 from 4096 keys
-    (``kv_len``) when every query sees the same keys: not ``causal``, no
-    ``window``, no soft cap and no segment ids; with one dQ accumulator;
+  * the fused backward (``fuse_dq``) at head dims 64 and 128 from 4096
+    keys (``kv_len``) when every query sees the same keys: not ``causal``,
+    no ``window``, no soft cap and no segment ids; at head dim 128 with
+    one dQ accumulator, at head dim 64 with two, 128-query dK/dV tiles
+    and ``overlap_sdp`` off;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
     128 at head dim 64; with either, ``overlap_sdp`` and ``qk_after_pv``
@@ -337,10 +353,11 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   padded = padded_head_dim(head_dim)
   config = _table(padded, kv_len)
   if kv_len is not None:
-    fused_from = _FUSED_MIN_KEYS[padded]
-    if (fused_from is not None and kv_len >= fused_from
+    rule = _FUSED_RULE[padded]
+    if (rule is not None and kv_len >= rule[0]
         and not (soft_cap or segments or causal) and window is None):
-      config = dataclasses.replace(config, fuse_dq=True, dq_slots=1)
+      config = dataclasses.replace(
+          config, **{"fuse_dq": True, "dq_slots": 1, **rule[1]})
   if config.overlap_sdp and (soft_cap or segments):
     config = dataclasses.replace(config, overlap_sdp=False)
   if config.qk_after_pv and (soft_cap or segments):
