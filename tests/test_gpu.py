@@ -125,18 +125,19 @@ class TestMosaicGpuOverlappedBackward(TestMosaicGpu):
     super().check_case(case, dtype, seed)
 
 
-@pytest.mark.parametrize("feature", ["causal", "segments", "plain"])
-@pytest.mark.parametrize("dq_slots", [1, 2, 4])
-def test_mosaic_gpu_fused_backward_ordered_adds(feature, dq_slots):
-  """The one-pass backward with several key blocks per dQ accumulator, so
-  that the ordered adds wait on each other: gradients within 1.5x the
-  two-pass backward's error against the float32 reference, and bitwise
-  equal across reruns."""
-  from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+def _check_fused_backward(feature, fused_config, two_pass, *, q_len, kv_len,
+                          head_dim):
+  """Gradients of the one-pass backward under ``fused_config`` at a
+  GQA shape (2 rows, 4 query heads, 2 KV heads): bitwise equal across
+  reruns and within 1.5x the error of ``two_pass`` (an implementation)
+  against the float32 reference.  Returns ``(grads, got, seed)``:
+  ``grads(implementation)`` the jitted dQ, dK, dV on the same inputs and
+  cotangent, ``got`` the fused ones."""
+  from jflash.backends.mosaic_gpu import MosaicGpuBackend
   rng, seed = conformance.new_rng()
   case = conformance.build_case(rng, feature, dtype=jnp.bfloat16, batch=2,
-                                q_len=1100, kv_len=1300, heads=4, kv_heads=2,
-                                head_dim=128)
+                                q_len=q_len, kv_len=kv_len, heads=4,
+                                kv_heads=2, head_dim=head_dim)
   cot = random_normal(rng, case.query.shape, jnp.bfloat16)
 
   def grads(implementation):
@@ -144,18 +145,32 @@ def test_mosaic_gpu_fused_backward_ordered_adds(feature, dq_slots):
       return case.call_jflash(q, k, v, None, implementation=implementation)
     return jax.jit(lambda *a: jax.vjp(f, *a)[1](cot))(*case.arrays[:3])
 
-  fused = MosaicGpuBackend(MosaicGpuConfig(fuse_dq=True, dq_slots=dq_slots))
+  fused = MosaicGpuBackend(fused_config)
   got = grads(fused)
   again = grads(fused)
-  two_pass = grads("mosaic_gpu")
+  base_grads = grads(two_pass)
   up = [a.astype(jnp.float32) for a in case.arrays[:3]]
   _, vjp = jax.vjp(lambda *a: case.call_reference(*a, None, jit=False)[0],
                    *up)
   exact = vjp(cot.astype(jnp.float32))
-  for name, g, g2, base, ref in zip("qkv", got, again, two_pass, exact):
+  for name, g, g2, base, ref in zip("qkv", got, again, base_grads, exact):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g2),
                                   err_msg=f"d{name} seed={seed}")
     assert rel_err(g, ref) <= 1.5 * rel_err(base, ref), (name, seed)
+  return grads, got, seed
+
+
+@pytest.mark.parametrize("feature", ["causal", "segments", "plain"])
+@pytest.mark.parametrize("dq_slots", [1, 2, 4])
+def test_mosaic_gpu_fused_backward_ordered_adds(feature, dq_slots):
+  """The one-pass backward with several key blocks per dQ accumulator, so
+  that the ordered adds wait on each other: gradients within 1.5x the
+  two-pass backward's error against the float32 reference, and bitwise
+  equal across reruns."""
+  from jflash.backends.mosaic_gpu import MosaicGpuConfig
+  _check_fused_backward(feature, MosaicGpuConfig(fuse_dq=True,
+                                                 dq_slots=dq_slots),
+                        "mosaic_gpu", q_len=1100, kv_len=1300, head_dim=128)
 
 
 @pytest.mark.parametrize("feature", ["plain", "causal", "window", "lengths",
@@ -170,30 +185,11 @@ def test_mosaic_gpu_fused_backward_wide_query_tiles_at_head_dim_64(
   default rule applies) bitwise equal to the default call.  Lengths off
   the tiles, fewer queries than one tile, GQA."""
   from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-  rng, seed = conformance.new_rng()
-  case = conformance.build_case(rng, feature, dtype=jnp.bfloat16, batch=2,
-                                q_len=q_len, kv_len=kv_len, heads=4,
-                                kv_heads=2, head_dim=64)
-  cot = random_normal(rng, case.query.shape, jnp.bfloat16)
-
-  def grads(implementation):
-    def f(q, k, v):
-      return case.call_jflash(q, k, v, None, implementation=implementation)
-    return jax.jit(lambda *a: jax.vjp(f, *a)[1](cot))(*case.arrays[:3])
-
-  fused = MosaicGpuBackend(MosaicGpuConfig(
-      fuse_dq=True, block_q_dkv=128, overlap_sdp=False, dq_slots=2))
-  got = grads(fused)
-  again = grads(fused)
-  two_pass = grads(MosaicGpuBackend(MosaicGpuConfig(fuse_dq=False)))
-  up = [a.astype(jnp.float32) for a in case.arrays[:3]]
-  _, vjp = jax.vjp(lambda *a: case.call_reference(*a, None, jit=False)[0],
-                   *up)
-  exact = vjp(cot.astype(jnp.float32))
-  for name, g, g2, base, ref in zip("qkv", got, again, two_pass, exact):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(g2),
-                                  err_msg=f"d{name} seed={seed}")
-    assert rel_err(g, ref) <= 1.5 * rel_err(base, ref), (name, seed)
+  grads, got, seed = _check_fused_backward(
+      feature, MosaicGpuConfig(fuse_dq=True, block_q_dkv=128,
+                               overlap_sdp=False, dq_slots=2),
+      MosaicGpuBackend(MosaicGpuConfig(fuse_dq=False)),
+      q_len=q_len, kv_len=kv_len, head_dim=64)
   if feature == "plain" and kv_len >= 4096:
     for name, g, d in zip("qkv", got, grads("mosaic_gpu")):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(d),
