@@ -196,6 +196,28 @@ def test_mosaic_gpu_fused_backward_wide_query_tiles_at_head_dim_64(
                                     err_msg=f"default d{name} seed={seed}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_len,kv_len", [(4100, 4100), (1100, 4200)])
+def test_mosaic_gpu_fused_backward_is_the_causal_default(head_dim, q_len,
+                                                          kv_len):
+  """Under a causal mask from 4096 keys the default backward is the
+  one-pass one (four dQ accumulators and 128-query dK/dV tiles at head dim
+  64, two accumulators at 128): gradients within 1.5x the two-pass
+  backward's error against the float32 reference, bitwise equal across
+  reruns and to the explicit configuration.  Lengths off the tiles, fewer
+  queries than keys, GQA."""
+  from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+  from jflash.backends.mosaic_gpu.config import default_config
+  config = default_config(head_dim, kv_len, causal=True)
+  assert config.fuse_dq and config.dq_slots == (4 if head_dim == 64 else 2)
+  grads, got, seed = _check_fused_backward(
+      "causal", config, MosaicGpuBackend(MosaicGpuConfig(fuse_dq=False)),
+      q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+  for name, g, d in zip("qkv", got, grads("mosaic_gpu")):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(d),
+                                  err_msg=f"default d{name} seed={seed}")
+
+
 @pytest.mark.parametrize("feature", ["plain", "causal", "window", "lengths",
                                      "segments", "soft_cap", "combined"])
 def test_mosaic_gpu_variant_chained_items_match_the_unchained_loop(feature):

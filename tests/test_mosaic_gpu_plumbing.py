@@ -172,7 +172,7 @@ def test_overlap_sdp_default_follows_head_dim_and_features(head_dim):
   caller's explicit choice is kept."""
   small = head_dim <= 128
   assert mosaic_gpu.default_config(head_dim).overlap_sdp == small
-  assert mosaic_gpu.default_config(head_dim, 4096, causal=True).overlap_sdp \
+  assert mosaic_gpu.default_config(head_dim, 4095, causal=True).overlap_sdp \
       == small
   assert not mosaic_gpu.default_config(head_dim, segments=True).overlap_sdp
   assert not mosaic_gpu.default_config(head_dim, soft_cap=True).overlap_sdp
@@ -353,10 +353,10 @@ def test_per_length_entries_apply_up_to_their_length(monkeypatch):
 
 def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
   """At head dims 64 and 128 the fused backward is the default from 4096
-  keys when every query sees the same keys (no causal mask, window, soft
-  cap or segment ids), never at head dim 256; at head dim 64 it takes two
-  dQ accumulators, 128-query dK/dV tiles and issues S and dP one after the
-  other; dQ-pass
+  keys without a window, soft cap or segment ids, under a causal mask only
+  up to 32768 keys, never at head dim 256; at head dim 64 it takes two
+  dQ accumulators (four causal), 128-query dK/dV tiles and issues S and dP
+  one after the other, at head dim 128 one accumulator (two causal); dQ-pass
   tiles set by the caller keep the two-pass backward at every length."""
   assert mosaic_gpu.default_config(128, 4096).fuse_dq
   assert mosaic_gpu.default_config(128, 4096).dq_slots == 1
@@ -371,14 +371,28 @@ def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
     two_pass = mosaic_gpu.default_config(head_dim, 4095)
     assert not two_pass.fuse_dq and two_pass.block_q_dkv == 64
     assert two_pass.overlap_sdp
-    assert not mosaic_gpu.default_config(head_dim, 16384, causal=True).fuse_dq
+    causal = mosaic_gpu.default_config(head_dim, 16384, causal=True)
+    assert causal.fuse_dq and causal.dq_slots == 4
+    assert causal.block_q_dkv == 128 and not causal.overlap_sdp
+    assert not mosaic_gpu.default_config(head_dim, 4095, causal=True).fuse_dq
+    assert not mosaic_gpu.default_config(head_dim, 32769, causal=True).fuse_dq
+    assert mosaic_gpu.default_config(head_dim, 32768, causal=True).fuse_dq
   assert MosaicGpuConfig(overlap_sdp=True).resolved(64, 16384).overlap_sdp
   assert not mosaic_gpu.default_config(256, 65536).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, window=(1024, 0)).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, window=(8191, 0)).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, window=(8192, 8192)).fuse_dq
-  assert not mosaic_gpu.default_config(128, 16384, causal=True).fuse_dq
-  assert not MosaicGpuConfig().resolved(128, 16384, causal=True).fuse_dq
+  causal = mosaic_gpu.default_config(128, 16384, causal=True)
+  assert causal.fuse_dq and causal.dq_slots == 2
+  assert causal.block_q_dkv == 64 and causal.overlap_sdp
+  assert MosaicGpuConfig().resolved(128, 4096, causal=True).dq_slots == 2
+  assert not MosaicGpuConfig().resolved(128, 4095, causal=True).fuse_dq
+  assert not MosaicGpuConfig().resolved(128, 65536, causal=True).fuse_dq
+  assert mosaic_gpu.default_config(128, 65536).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, causal=True,
+                                       window=(1024, 0)).fuse_dq
+  assert not mosaic_gpu.default_config(128, 16384, causal=True,
+                                       segments=True).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, soft_cap=True).fuse_dq
   assert not mosaic_gpu.default_config(128, 16384, segments=True).fuse_dq
   two_pass = MosaicGpuConfig(block_kv_dq=64).resolved(128, 16384)

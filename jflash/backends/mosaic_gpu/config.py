@@ -308,6 +308,28 @@ _FUSED_RULE: dict[int, tuple[int, dict] | None] = {
     128: (4096, {}),
     256: None,
 }
+# Under a causal mask without a window, each key block's first query
+# block is its diagonal one, so with one accumulator the key blocks wait
+# on each other in a wavefront; more accumulators break it up.  On an H200
+# (benchmarks/results/2026-12-03-h200-fused-causal), A B A B in one call,
+# fwd+bwd TFLOP/s against the two-pass backward: head dim 64 with the
+# 128-query tiles and four accumulators 360.8 / 363.7 against 333.1 /
+# 331.6 (S=4096 causal) and 441.4 / 439.5 against 396.4 / 396.8
+# (S=16384 causal; two accumulators lost 11% and 14%); head dim 128 with
+# two accumulators 443.7 / 442.3 against 426.8 / 425.8 and 518.4 / 515.1
+# against 500.5 / 502.4 (four: 428.2 / 437.3 and 517.5 / 513.0).  A
+# 1024-key window lost 9% with two and 19% with four and keeps the
+# two-pass backward.  The accumulators take 4 * dq_slots bytes per element
+# of Q, as much as Q, K, V, O, dO and the gradients together at four;
+# above 32768 keys the two-pass backward keeps the peak memory of long
+# sequences near that of the tensors themselves.
+# Per padded head dim: (fewest keys, most keys, fields set with fuse_dq),
+# or None.
+_FUSED_CAUSAL_RULE: dict[int, tuple[int, int, dict] | None] = {
+    64: (4096, 32768, dict(block_q_dkv=128, overlap_sdp=False, dq_slots=4)),
+    128: (4096, 32768, dict(dq_slots=2)),
+    256: None,
+}
 
 
 def tuned_config(head_dim: int, kv_len: int | None = None
@@ -336,10 +358,11 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
 
   * the tuned table (:func:`tuned_config`);
   * the fused backward (``fuse_dq``) at head dims 64 and 128 from 4096
-    keys (``kv_len``) when every query sees the same keys: not ``causal``,
-    no ``window``, no soft cap and no segment ids; at head dim 128 with
-    one dQ accumulator, at head dim 64 with two, 128-query dK/dV tiles
-    and ``overlap_sdp`` off;
+    keys (``kv_len``) without a ``window``, a soft cap or segment ids:
+    when every query sees the same keys (not ``causal``) with one dQ
+    accumulator at head dim 128 and two at head dim 64; ``causal`` up to
+    32768 keys with two at head dim 128 and four at head dim 64; at head
+    dim 64 always with 128-query dK/dV tiles and ``overlap_sdp`` off;
   * features: with ``soft_cap`` the dQ key tile is at most 64 at head
     dims 128 and 256; with ``segments`` the forward key tile is at most
     128 at head dim 64; with either, ``overlap_sdp`` and ``qk_after_pv``
@@ -352,12 +375,20 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   """
   padded = padded_head_dim(head_dim)
   config = _table(padded, kv_len)
-  if kv_len is not None:
-    rule = _FUSED_RULE[padded]
-    if (rule is not None and kv_len >= rule[0]
-        and not (soft_cap or segments or causal) and window is None):
+  if kv_len is not None and not (soft_cap or segments) and window is None:
+    fields = None
+    if not causal:
+      rule = _FUSED_RULE[padded]
+      if rule is not None and kv_len >= rule[0]:
+        fields = rule[1]
+    else:
+      causal_rule = _FUSED_CAUSAL_RULE[padded]
+      if (causal_rule is not None
+          and causal_rule[0] <= kv_len <= causal_rule[1]):
+        fields = causal_rule[2]
+    if fields is not None:
       config = dataclasses.replace(
-          config, **{"fuse_dq": True, "dq_slots": 1, **rule[1]})
+          config, **{"fuse_dq": True, "dq_slots": 1, **fields})
   if config.overlap_sdp and (soft_cap or segments):
     config = dataclasses.replace(config, overlap_sdp=False)
   if config.qk_after_pv and (soft_cap or segments):
