@@ -31,6 +31,14 @@ With several lengths (``--seqs 1024,16384``) the head dim's row comes from
 the longest, and the others give per-length entries for ``_BY_LENGTH``
 (:func:`length_table`).
 
+The feature rules of ``default_config`` (tiles and loops for segment ids
+and soft caps) are tuned with a feature mask alone: ``--masks segments``
+(8 packed segments of random lengths per row, no causal mask) or
+``--masks softcap`` (a soft cap of 30 under a causal mask).  The search
+then starts from the configuration such a call gets by default, resolves
+every candidate with the feature, and prints the fields in which the
+winner differs from that default, for the feature's rule.
+
 The shapes follow the benchmark grid: ``B*S = 16384`` tokens and
 ``N*H = 2048``.
 """
@@ -50,12 +58,63 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
+from benchmarks.cells import make_segment_ids
 from benchmarks.timing import TimerConfig, time_functions
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-from jflash.backends.mosaic_gpu.config import tuned_config
+from jflash.backends.mosaic_gpu.config import default_config, tuned_config
 
 _SMEM_BYTES = 227 * 1024
-MASKS = ("dense", "causal")
+TABLE_MASKS = ("dense", "causal")
+# Tuned alone, each for its rule in default_config.
+FEATURE_MASKS = ("segments", "softcap")
+MASKS = TABLE_MASKS + FEATURE_MASKS
+SEGMENTS = 8       # packed segments per row of the segments mask
+SOFT_CAP = 30.0    # the softcap mask's logits_soft_cap (with is_causal)
+# default_config's feature arguments per feature mask.
+FEATURES = {"segments": dict(segments=True),
+            "softcap": dict(soft_cap=True, causal=True)}
+
+
+def parse_masks(text: str) -> tuple[str, ...]:
+  """``--masks``: names from ``MASKS``; a feature mask only alone.
+
+  Raises:
+    ValueError: an unknown name, none, or a feature mask with others.
+  """
+  masks = tuple(m for m in text.split(",") if m)
+  if not masks or any(m not in MASKS for m in masks):
+    raise ValueError(f"--masks: expected comma-separated names from "
+                     f"{MASKS}, got {text!r}")
+  if len(masks) > 1 and any(m in FEATURE_MASKS for m in masks):
+    raise ValueError(f"--masks: a feature mask {FEATURE_MASKS} is tuned "
+                     f"alone (its rule serves only calls with the feature), "
+                     f"got {text!r}")
+  return masks
+
+
+def mask_features(masks: tuple[str, ...]) -> dict:
+  """The ``default_config`` feature arguments of a mask list (none for
+  the table's masks)."""
+  return FEATURES.get(masks[0], {}) if len(masks) == 1 else {}
+
+
+def visible_fraction(mask: str, segment_ids: np.ndarray | None = None
+                     ) -> float:
+  """The share of the ``T x S`` query-key pairs a mask leaves visible
+  (``T = S``): 1 dense, 1/2 causal (the FlashAttention convention), and
+  for packed segments ``sum(length**2) / S**2`` averaged over the rows of
+  ``segment_ids [B, S]``."""
+  if mask in ("causal", "softcap"):
+    return 0.5
+  if mask != "segments":
+    return 1.0
+  ids = np.asarray(segment_ids)
+  shares = []
+  for row in ids:
+    _, counts = np.unique(row, return_counts=True)
+    shares.append(float(np.sum(counts.astype(np.float64) ** 2))
+                  / row.size ** 2)
+  return float(np.mean(shares))
 
 
 def make_backend(config: MosaicGpuConfig):
@@ -155,11 +214,23 @@ def accepted(ratios: dict[str, float], min_gain: float) -> bool:
 Measure = Callable[[MosaicGpuConfig, MosaicGpuConfig, str], dict]
 
 
+def start_config(head_dim: int, seq: int, features: dict | None = None
+                 ) -> MosaicGpuConfig:
+  """Where a search starts: the tuned table (:func:`tuned_config`), or
+  with ``features`` (:data:`FEATURES`) the configuration such a call gets
+  by default, feature rules included."""
+  if features:
+    return default_config(head_dim, seq, **features)
+  return tuned_config(head_dim, seq)
+
+
 def tune(measure: Measure, head_dim: int, seq: int,
          log: Callable[[dict], None],
-         min_gain: float) -> tuple[MosaicGpuConfig, list[dict]]:
-  """Greedy search from the tuned table (:func:`tuned_config`), one group of fields at
-  a time (:func:`search_groups`).
+         min_gain: float, features: dict | None = None
+         ) -> tuple[MosaicGpuConfig, list[dict]]:
+  """Greedy search from :func:`start_config`, one group of fields at a
+  time (:func:`search_groups`); with ``features`` every candidate is
+  resolved with them.
 
   In each group the accepted candidate (:func:`accepted`) with the largest
   speedup over the group's starting configuration wins; when none is
@@ -168,7 +239,8 @@ def tune(measure: Measure, head_dim: int, seq: int,
   Returns:
     The final configuration (fully resolved) and every measured row.
   """
-  incumbent = tuned_config(head_dim, seq)
+  features = features or {}
+  incumbent = start_config(head_dim, seq, features)
   rows = []
   for pass_name, group in search_groups(head_dim):
     winner, winner_speedup = incumbent, 1.0
@@ -176,7 +248,7 @@ def tune(measure: Measure, head_dim: int, seq: int,
       row = dict(pass_=pass_name, fields=fields)
       try:
         candidate = dataclasses.replace(incumbent, **fields).resolved(
-            head_dim, seq)
+            head_dim, seq, **features)
       except ValueError as err:
         row["error"] = f"ValueError: {err}"
       else:
@@ -214,10 +286,21 @@ class Tuner:
     heads = max(1, self.width // self.head_dim)
     batch = max(1, self.tokens // self.seq)
     shape = (batch, self.seq, heads, self.head_dim)
-    keys = jax.random.split(jax.random.key(int(time.time())), 8)
+    seed = int(time.time())
+    keys = jax.random.split(jax.random.key(seed), 8)
     make = lambda key: jax.random.normal(key, shape, jnp.bfloat16)  # noqa
-    self.inputs = [tuple(make(k) for k in keys[i:i + 4]) for i in (0, 4)]
-    self.flops = 4 * batch * heads * self.seq ** 2 * self.head_dim
+    rng = np.random.default_rng(seed)
+    # Each input set: Q, K, V, the output cotangent and segment ids (read
+    # only by the segments mask).
+    segments = [make_segment_ids(rng, batch, self.seq, SEGMENTS)
+                for _ in range(2)]
+    self.inputs = [tuple(make(k) for k in keys[4 * i:4 * i + 4])
+                   + (jnp.asarray(segments[i]),) for i in range(2)]
+    dense = 4 * batch * heads * self.seq ** 2 * self.head_dim
+    # Flops of the visible pairs, averaged over the input sets.
+    self.flops = {mask: dense * float(np.mean(
+        [visible_fraction(mask, ids) for ids in segments]))
+                  for mask in self.masks}
     self.functions: dict[tuple, Callable] = {}
     self.baseline: dict[tuple, tuple] = {}
 
@@ -226,16 +309,19 @@ class Tuner:
     if key not in self.functions:
       backend = make_backend(config)
 
-      def attend(q, k, v):
+      def attend(q, k, v, segment_ids):
         return jflash.dot_product_attention(
-            q, k, v, is_causal=mask == "causal", implementation=backend)
+            q, k, v, is_causal=mask in ("causal", "softcap"),
+            segment_ids=segment_ids if mask == "segments" else None,
+            logits_soft_cap=SOFT_CAP if mask == "softcap" else None,
+            implementation=backend)
 
-      def forward(q, k, v, cot):
+      def forward(q, k, v, cot, segment_ids):
         del cot
-        return (attend(q, k, v),)
+        return (attend(q, k, v, segment_ids),)
 
-      def both(q, k, v, cot):
-        out, vjp = jax.vjp(attend, q, k, v)
+      def both(q, k, v, cot, segment_ids):
+        out, vjp = jax.vjp(lambda *a: attend(*a, segment_ids), q, k, v)
         return out, *vjp(cot)
       self.functions[key] = jax.jit(forward if pass_name == "fwd" else both)
     return self.functions[key]
@@ -273,7 +359,7 @@ class Tuner:
       for timing in timings:
         if "error" in timing:
           return dict(error=f"{mask}: {timing['error']!r}"[:200])
-      flops = factor * self.flops / (2 if mask == "causal" else 1)
+      flops = factor * self.flops[mask]
       old, new = (t["ms"] * 1e-3 for t in timings)
       row["ratio"][mask] = old / new
       row["tflops"][mask] = flops / new / 1e12
@@ -324,8 +410,9 @@ def main() -> None:
   parser.add_argument("--seqs", "--seq", dest="seqs", default="4096",
                       help="comma-separated sequence lengths; with several, "
                       "per-length entries are printed too")
-  parser.add_argument("--masks", default=",".join(MASKS),
-                      help=f"comma-separated, from {MASKS}")
+  parser.add_argument("--masks", default=",".join(TABLE_MASKS),
+                      help=f"comma-separated, from {TABLE_MASKS}, or one of "
+                      f"{FEATURE_MASKS} alone (tunes that feature's rule)")
   parser.add_argument("--min-gain", type=float, default=0.02,
                       help="speedup a candidate needs to replace the "
                       "incumbent (0.02: 2%%)")
@@ -339,9 +426,11 @@ def main() -> None:
   if args.combine:
     _print_table(_combined(args.combine))
     return
-  masks = tuple(args.masks.split(","))
-  if not masks or any(m not in MASKS for m in masks):
-    parser.error(f"--masks: expected names from {MASKS}, got {args.masks!r}")
+  try:
+    masks = parse_masks(args.masks)
+  except ValueError as err:
+    parser.error(str(err))
+  features = mask_features(masks)
   seqs = sorted(int(x) for x in str(args.seqs).split(","))
   timer = TimerConfig(calls=args.calls, repeats=args.repeats, warmup=2)
   results, table = [], {}
@@ -349,15 +438,16 @@ def main() -> None:
   for head_dim in (int(h) for h in args.head_dims.split(",")):
     best_by_seq = {}
     for seq in seqs:
-      default = tuned_config(head_dim, seq)
+      default = start_config(head_dim, seq, features)
       print(f"head dim {head_dim}, S={seq}, masks {masks} "
             f"(default {default})", flush=True)
       tuner = Tuner(head_dim, seq, masks, timer)
       best, rows = tune(tuner.measure, head_dim, seq,
                         lambda row: print(_show(row), flush=True),
-                        args.min_gain)
+                        args.min_gain, features)
       best_by_seq[seq] = best
       results.append(dict(head_dim=head_dim, seq=seq, masks=masks,
+                          features=features,
                           min_gain=args.min_gain,
                           default=dataclasses.asdict(default),
                           best=dataclasses.asdict(best), rows=rows))
@@ -366,7 +456,32 @@ def main() -> None:
           json.dump(dict(device=jax.devices()[0].device_kind,
                          jax=jax.__version__, results=results), f, indent=1)
     table[head_dim] = best_by_seq
-  _print_table(table)
+  if features:
+    _print_feature_fields(masks[0], table)
+  else:
+    _print_table(table)
+
+
+def feature_fields(head_dim: int, seq: int, mask: str,
+                   best: MosaicGpuConfig) -> dict:
+  """The fields in which a feature mask's winner differs from the
+  configuration such a call gets by default: what the feature's rule in
+  ``default_config`` would set (empty: keep the rule)."""
+  default = start_config(head_dim, seq, FEATURES[mask])
+  return {f.name: getattr(best, f.name) for f in dataclasses.fields(best)
+          if getattr(best, f.name) != getattr(default, f.name)}
+
+
+def _print_feature_fields(
+    mask: str, table: dict[int, dict[int, MosaicGpuConfig]]) -> None:
+  print(f"\nFor the {mask} rules of default_config "
+        f"(jflash/backends/mosaic_gpu/config.py), fields to change:")
+  for head_dim, by_seq in table.items():
+    for seq, best in sorted(by_seq.items()):
+      fields = feature_fields(head_dim, seq, mask, best)
+      print(f"    head dim {head_dim}, S={seq}: "
+            + (", ".join(f"{k}={v}" for k, v in fields.items())
+               if fields else "none (the rule's configuration is kept)"))
 
 
 def _combined(paths: list[str]) -> dict[int, dict[int, MosaicGpuConfig]]:
@@ -376,6 +491,8 @@ def _combined(paths: list[str]) -> dict[int, dict[int, MosaicGpuConfig]]:
   for path in paths:
     with open(path) as f:
       for result in json.load(f)["results"]:
+        if result.get("features"):
+          continue  # a feature rule's search, not the table's
         table.setdefault(result["head_dim"], {})[result["seq"]] = (
             MosaicGpuConfig(**result["best"]))
   return table

@@ -421,3 +421,102 @@ def test_grid_md_compares_sparse_cells_with_dense_causal():
   assert "S128-seg3" not in section
   dense_only = dict(doc, rows=rows[:2])
   assert "## Sparse cells" not in report.markdown(dense_only)
+
+
+def test_tuner_masks_feature_masks_are_tuned_alone():
+  from benchmarks import tune_mosaic_gpu as tuner
+  assert tuner.parse_masks("dense,causal") == ("dense", "causal")
+  assert tuner.parse_masks("segments") == ("segments",)
+  assert tuner.mask_features(("softcap",)) == dict(soft_cap=True,
+                                                   causal=True)
+  assert tuner.mask_features(("dense", "causal")) == {}
+  with pytest.raises(ValueError, match="alone.*'segments,dense'"):
+    tuner.parse_masks("segments,dense")
+  with pytest.raises(ValueError, match="'bogus'"):
+    tuner.parse_masks("bogus")
+  with pytest.raises(ValueError, match="--masks"):
+    tuner.parse_masks("")
+
+
+def test_tuner_visible_fraction_counts_segment_pairs():
+  from benchmarks import tune_mosaic_gpu as tuner
+  from benchmarks.cells import make_segment_ids
+  rng = fresh_rng()
+  ids = make_segment_ids(rng, 3, 200, 8)
+  same = ids[:, :, None] == ids[:, None, :]
+  assert tuner.visible_fraction("segments", ids) == pytest.approx(
+      same.mean())
+  assert tuner.visible_fraction("causal") == 0.5
+  assert tuner.visible_fraction("softcap") == 0.5
+  assert tuner.visible_fraction("dense") == 1.0
+
+
+@pytest.mark.parametrize("mask", ["segments", "softcap"])
+def test_tuner_feature_mask_calls_carry_the_feature(mask, monkeypatch):
+  """The tuner's timed functions pass the feature to the call: with the
+  xla backend substituted, their output and gradients match the float32
+  reference under the same segment ids or soft cap."""
+  import jax
+  from benchmarks import tune_mosaic_gpu as tuner
+  from jflash.backends.mosaic_gpu import MosaicGpuConfig
+  from jflash.reference import reference_attention
+  monkeypatch.setattr(tuner, "make_backend", lambda config: "xla")
+  t = tuner.Tuner(64, 256, (mask,), TimerConfig(calls=1, repeats=1,
+                                                 warmup=0),
+                  tokens=512, width=128)
+  q, k, v, cot, seg = t.inputs[0]
+  assert len(np.unique(np.asarray(seg[0]))) == tuner.SEGMENTS
+  got = t._function(MosaicGpuConfig(), mask, "fwdbwd")(*t.inputs[0])
+  seg_ids = jnp.asarray(seg) if mask == "segments" else None
+  attention_mask = AttentionMask(batch=q.shape[0], q_len=256, kv_len=256,
+                                 is_causal=mask == "softcap",
+                                 q_segment_ids=seg_ids,
+                                 kv_segment_ids=seg_ids)
+
+  def ref(*a):
+    return reference_attention(
+        *(x.astype(jnp.float32) for x in a), None, attention_mask,
+        scale=64 ** -0.5,
+        logits_soft_cap=tuner.SOFT_CAP if mask == "softcap" else None)[0]
+  out, vjp = jax.vjp(ref, q, k, v)
+  want = (out, *vjp(cot.astype(jnp.float32)))
+  for g, w in zip(got, want):
+    w = np.asarray(w, np.float32)
+    err = np.linalg.norm(np.asarray(g, np.float32) - w) / np.linalg.norm(w)
+    assert err < 2e-2, (mask, err)
+  dense = 4 * q.shape[0] * q.shape[2] * 256 ** 2 * 64
+  fractions = [tuner.visible_fraction(mask, np.asarray(s[4]))
+               for s in t.inputs]
+  assert t.flops[mask] == pytest.approx(dense * np.mean(fractions))
+
+
+def test_tuner_feature_search_starts_from_the_feature_default():
+  """With a feature mask the search starts where such a call starts by
+  default (feature rules applied), resolves candidates with the feature,
+  and reports the winner as the fields the rule would change."""
+  from benchmarks import tune_mosaic_gpu as tuner
+  from jflash.backends.mosaic_gpu.config import default_config
+  features = tuner.FEATURES["segments"]
+  start = default_config(128, 16384, **features)
+  assert not start.qk_after_pv and not start.overlap_sdp
+
+  def speed(config, mask):
+    s = 1.0
+    if config.block_kv == 64 and config.stages == start.stages:
+      s *= 1.1
+    if config.qk_after_pv:
+      s *= 1.05
+    return s
+  seen = []
+  best, rows = tuner.tune(_fake_measure(speed, seen), 128, 16384,
+                          lambda row: None, min_gain=0.02,
+                          features=features)
+  assert seen[0][1] == start
+  assert best.block_kv == 64 and best.qk_after_pv
+  assert tuner.feature_fields(128, 16384, "segments", best) == dict(
+      block_kv=64, qk_after_pv=True)
+  # Without the feature the search starts from the table.
+  _, _ = tuner.tune(_fake_measure(speed, seen := []), 128, 16384,
+                    lambda row: None, min_gain=0.02)
+  assert seen[0][1] == tuner.start_config(128, 16384)
+  assert seen[0][1].qk_after_pv
