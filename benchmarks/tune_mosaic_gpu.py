@@ -58,7 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflash
-from benchmarks.cells import make_segment_ids
+from benchmarks.cells import (Cell, forward_flops, make_segment_ids,
+                              visible_pairs)
 from benchmarks.timing import TimerConfig, time_functions
 from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
 from jflash.backends.mosaic_gpu.config import default_config, tuned_config
@@ -98,23 +99,15 @@ def mask_features(masks: tuple[str, ...]) -> dict:
   return FEATURES.get(masks[0], {}) if len(masks) == 1 else {}
 
 
-def visible_fraction(mask: str, segment_ids: np.ndarray | None = None
-                     ) -> float:
-  """The share of the ``T x S`` query-key pairs a mask leaves visible
-  (``T = S``): 1 dense, 1/2 causal (the FlashAttention convention), and
-  for packed segments ``sum(length**2) / S**2`` averaged over the rows of
-  ``segment_ids [B, S]``."""
-  if mask in ("causal", "softcap"):
-    return 0.5
-  if mask != "segments":
-    return 1.0
-  ids = np.asarray(segment_ids)
-  shares = []
-  for row in ids:
-    _, counts = np.unique(row, return_counts=True)
-    shares.append(float(np.sum(counts.astype(np.float64) ** 2))
-                  / row.size ** 2)
-  return float(np.mean(shares))
+def mask_cell(mask: str, batch: int, seq: int, heads: int,
+              head_dim: int) -> Cell:
+  """The benchmark grid's cell for a tuner mask, whose flops
+  (:func:`benchmarks.cells.forward_flops`) the tuner credits: the
+  convention for dense and causal masks, visible pairs only for packed
+  segments."""
+  return Cell(batch=batch, seq_len=seq, num_heads=heads, head_dim=head_dim,
+              causal=mask in ("causal", "softcap"),
+              segments=SEGMENTS if mask == "segments" else 0)
 
 
 def make_backend(config: MosaicGpuConfig):
@@ -296,11 +289,12 @@ class Tuner:
                 for _ in range(2)]
     self.inputs = [tuple(make(k) for k in keys[4 * i:4 * i + 4])
                    + (jnp.asarray(segments[i]),) for i in range(2)]
-    dense = 4 * batch * heads * self.seq ** 2 * self.head_dim
-    # Flops of the visible pairs, averaged over the input sets.
-    self.flops = {mask: dense * float(np.mean(
-        [visible_fraction(mask, ids) for ids in segments]))
-                  for mask in self.masks}
+    # Forward flops credited per mask, averaged over the input sets.
+    cells = {mask: mask_cell(mask, batch, self.seq, heads, self.head_dim)
+             for mask in self.masks}
+    self.flops = {mask: float(np.mean(
+        [forward_flops(cell, visible_pairs(cell, ids)) for ids in segments]))
+                  for mask, cell in cells.items()}
     self.functions: dict[tuple, Callable] = {}
     self.baseline: dict[tuple, tuple] = {}
 

@@ -438,17 +438,22 @@ def test_tuner_masks_feature_masks_are_tuned_alone():
     tuner.parse_masks("")
 
 
-def test_tuner_visible_fraction_counts_segment_pairs():
+def test_tuner_mask_cells_credit_the_grid_flops():
+  """The tuner's masks map to the grid's cells: causal ones at half the
+  dense flops, packed segments at their visible pairs (brute force)."""
   from benchmarks import tune_mosaic_gpu as tuner
-  from benchmarks.cells import make_segment_ids
+  from benchmarks.cells import forward_flops, make_segment_ids
   rng = fresh_rng()
-  ids = make_segment_ids(rng, 3, 200, 8)
+  ids = make_segment_ids(rng, 3, 200, tuner.SEGMENTS)
+  seg = tuner.mask_cell("segments", 3, 200, 2, 64)
+  assert seg.segments == tuner.SEGMENTS and not seg.causal
   same = ids[:, :, None] == ids[:, None, :]
-  assert tuner.visible_fraction("segments", ids) == pytest.approx(
-      same.mean())
-  assert tuner.visible_fraction("causal") == 0.5
-  assert tuner.visible_fraction("softcap") == 0.5
-  assert tuner.visible_fraction("dense") == 1.0
+  assert forward_flops(seg, count_visible_bruteforce(seg, ids)) == (
+      4.0 * 2 * 64 * same.sum())
+  dense = 4.0 * 3 * 2 * 200 ** 2 * 64
+  assert forward_flops(tuner.mask_cell("dense", 3, 200, 2, 64)) == dense
+  for mask in ("causal", "softcap"):
+    assert forward_flops(tuner.mask_cell(mask, 3, 200, 2, 64)) == dense / 2
 
 
 @pytest.mark.parametrize("mask", ["segments", "softcap"])
@@ -484,10 +489,14 @@ def test_tuner_feature_mask_calls_carry_the_feature(mask, monkeypatch):
     w = np.asarray(w, np.float32)
     err = np.linalg.norm(np.asarray(g, np.float32) - w) / np.linalg.norm(w)
     assert err < 2e-2, (mask, err)
-  dense = 4 * q.shape[0] * q.shape[2] * 256 ** 2 * 64
-  fractions = [tuner.visible_fraction(mask, np.asarray(s[4]))
-               for s in t.inputs]
-  assert t.flops[mask] == pytest.approx(dense * np.mean(fractions))
+  dense = 4.0 * q.shape[0] * q.shape[2] * 256 ** 2 * 64
+  if mask == "softcap":
+    assert t.flops[mask] == dense / 2
+  else:
+    pairs = [(np.asarray(s[4])[:, :, None] == np.asarray(s[4])[:, None, :]
+              ).sum() for s in t.inputs]
+    assert t.flops[mask] == pytest.approx(4.0 * q.shape[2] * 64
+                                          * np.mean(pairs))
 
 
 def test_tuner_feature_search_starts_from_the_feature_default():
