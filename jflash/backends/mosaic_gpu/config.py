@@ -302,12 +302,6 @@ _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
 # against 384.9 and 395.1 (S=4096, S=16384); two 431.5 and 453.0, four
 # 423.4 and 452.6 against 385.2 and 396.0.  Two accumulators take
 # 8 * B * T * N * H bytes.
-# Per padded head dim: (fewest keys, fields set with fuse_dq), or None.
-_FUSED_RULE: dict[int, tuple[int, dict] | None] = {
-    64: (4096, dict(block_q_dkv=128, overlap_sdp=False, dq_slots=2)),
-    128: (4096, {}),
-    256: None,
-}
 # Under a causal mask without a window, each key block's first query
 # block is its diagonal one, so with one accumulator the key blocks wait
 # on each other in a wavefront; more accumulators break it up.  On an H200
@@ -315,7 +309,7 @@ _FUSED_RULE: dict[int, tuple[int, dict] | None] = {
 # fwd+bwd TFLOP/s against the two-pass backward: head dim 64 with the
 # 128-query tiles and four accumulators 360.8 / 363.7 against 333.1 /
 # 331.6 (S=4096 causal) and 441.4 / 439.5 against 396.4 / 396.8
-# (S=16384 causal; two accumulators lost 11% and 14%); head dim 128 with
+# (S=16384 causal; two accumulators lost 11% and 14-15%); head dim 128 with
 # two accumulators 443.7 / 442.3 against 426.8 / 425.8 and 518.4 / 515.1
 # against 500.5 / 502.4 (four: 428.2 / 437.3 and 517.5 / 513.0).  A
 # 1024-key window lost 9% with two and 19% with four and keeps the
@@ -323,12 +317,17 @@ _FUSED_RULE: dict[int, tuple[int, dict] | None] = {
 # of Q, as much as Q, K, V, O, dO and the gradients together at four;
 # above 32768 keys the two-pass backward keeps the peak memory of long
 # sequences near that of the tensors themselves.
-# Per padded head dim: (fewest keys, most keys, fields set with fuse_dq),
-# or None.
-_FUSED_CAUSAL_RULE: dict[int, tuple[int, int, dict] | None] = {
-    64: (4096, 32768, dict(block_q_dkv=128, overlap_sdp=False, dq_slots=4)),
-    128: (4096, 32768, dict(dq_slots=2)),
-    256: None,
+# Without and with a causal mask, per padded head dim: (fewest keys, most
+# keys or None, fields set with fuse_dq), or None.
+_FUSED_RULES: dict[bool, dict[int, tuple[int, int | None, dict] | None]] = {
+    False: {64: (4096, None, dict(block_q_dkv=128, overlap_sdp=False,
+                                  dq_slots=2)),
+            128: (4096, None, {}),
+            256: None},
+    True: {64: (4096, 32768, dict(block_q_dkv=128, overlap_sdp=False,
+                                  dq_slots=4)),
+           128: (4096, 32768, dict(dq_slots=2)),
+           256: None},
 }
 
 
@@ -375,20 +374,12 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   """
   padded = padded_head_dim(head_dim)
   config = _table(padded, kv_len)
-  if kv_len is not None and not (soft_cap or segments) and window is None:
-    fields = None
-    if not causal:
-      rule = _FUSED_RULE[padded]
-      if rule is not None and kv_len >= rule[0]:
-        fields = rule[1]
-    else:
-      causal_rule = _FUSED_CAUSAL_RULE[padded]
-      if (causal_rule is not None
-          and causal_rule[0] <= kv_len <= causal_rule[1]):
-        fields = causal_rule[2]
-    if fields is not None:
-      config = dataclasses.replace(
-          config, **{"fuse_dq": True, "dq_slots": 1, **fields})
+  rule = _FUSED_RULES[bool(causal)][padded]
+  if (kv_len is not None and rule is not None and not (soft_cap or segments)
+      and window is None and kv_len >= rule[0]
+      and (rule[1] is None or kv_len <= rule[1])):
+    config = dataclasses.replace(
+        config, **{"fuse_dq": True, "dq_slots": 1, **rule[2]})
   if config.overlap_sdp and (soft_cap or segments):
     config = dataclasses.replace(config, overlap_sdp=False)
   if config.qk_after_pv and (soft_cap or segments):
