@@ -344,10 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     print("merging overwrites the first run's files; pass --out",
           file=sys.stderr)
     return 2
-  for message in write_outputs(doc, out, png=not args.no_png):
+  messages = write_outputs(doc, out, png=not args.no_png)
+  for message in messages:
     print(message)
-  print(f"wrote {out}/grid.json, grid.md" + ("" if args.no_png else
-                                             ", grid.png"))
+  wrote_png = not args.no_png and not any(
+      message.startswith("grid.png not written") for message in messages)
+  print(f"wrote {out}/grid.json, grid.md" + (", grid.png" if wrote_png
+                                             else ""))
   return 0
 
 
