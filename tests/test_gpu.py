@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jflash
 from tests import conformance
-from tests._support import random_normal, rel_err
+from tests._support import Case, grads_of, random_normal, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -404,7 +404,7 @@ def test_mosaic_gpu_row_maxima_that_keep_growing(is_causal, dtype):
   on others) plus a few large keys late in the sequence: the row maxima
   of many rows move at steps after a query tile's first, in some warps
   and not others, which the forward's online softmax must follow.  The
-  output and gradients match a float32 reference."""
+  output and gradients match the exact reference in float32."""
   rng, seed = conformance.new_rng()
   batch, q_len, kv_len, heads, head_dim = 2, 1999, 2048, 4, 128
   q = rng.standard_normal((batch, q_len, heads, head_dim), np.float32)
@@ -421,19 +421,22 @@ def test_mosaic_gpu_row_maxima_that_keep_growing(is_causal, dtype):
       k[b, col, h] = 0.4 * q[b, row, h]
   q, k, v = (jnp.asarray(x).astype(dtype) for x in (q, k, v))
   cot = random_normal(rng, q.shape, dtype)
+  case = Case(q, k, v, kwargs={"is_causal": is_causal})
+  exact = Case(*(x.astype(jnp.float32) for x in (q, k, v)),
+               kwargs=case.kwargs)
 
-  def grads(implementation, *args):
-    def loss(q, k, v):
-      out = jflash.dot_product_attention(q, k, v, is_causal=is_causal,
-                                         implementation=implementation)
-      return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
-    (_, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2),
-                                     has_aux=True)(*args)
-    return out, *g
+  def kernel(*arrays):
+    return case.call_jflash(*arrays, implementation="mosaic_gpu")
 
-  got = jax.jit(lambda *a: grads("mosaic_gpu", *a))(q, k, v)
-  want = jax.jit(lambda *a: grads("xla", *a))(
-      *(x.astype(jnp.float32) for x in (q, k, v)))
+  def reference(*arrays):
+    return exact.call_reference(*arrays, jit=False)[0]
+
+  def with_grads(fn, kwargs):
+    return jax.jit(lambda q, k, v: (fn(q, k, v, None), *grads_of(
+        fn, Case(q, k, v, kwargs=kwargs), cot)))
+
+  got = with_grads(kernel, case.kwargs)(*case.arrays[:3])
+  want = with_grads(reference, exact.kwargs)(*exact.arrays[:3])
   for name, x, ref in zip(("out", "dq", "dk", "dv"), got, want):
     assert np.isfinite(np.asarray(x, np.float32)).all(), (name, seed)
     assert rel_err(x, ref) < 1e-2, (name, rel_err(x, ref), seed)
