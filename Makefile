@@ -1,8 +1,8 @@
 # jflash developer commands.  `make demo` and `make test` work on a fresh
 # machine: the first run creates .venv with Python 3.12 (found by
 # tools/find_python.sh; override with `make PYTHON=/path/to/python3.12 ...`)
-# and installs the project; later runs reinstall only when pyproject.toml
-# changes.
+# and installs the project with the tested versions (constraints.txt); later
+# runs reinstall only when pyproject.toml or constraints.txt changes.
 
 SHELL := /bin/bash
 VENV := .venv
@@ -33,13 +33,14 @@ $(VPY):
 	echo "Creating $(VENV) with $$py ($$("$$py" --version))"; \
 	"$$py" -m venv "$(VENV)" || { rm -rf "$(VENV)"; exit 1; }
 
-# The project and its extras: reinstalled when pyproject.toml changes.
-$(STAMP): pyproject.toml | $(VPY)
+# The project and its extras at the tested versions: reinstalled when
+# pyproject.toml or constraints.txt changes.
+$(STAMP): pyproject.toml constraints.txt | $(VPY)
 	@if ! "$(VPY)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
 	    2>/dev/null; then echo "$(VENV) does not run Python >= 3.12; run" \
 	    "'make clean' and try again" >&2; exit 1; fi
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(VPY) -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
 	@touch "$(STAMP)"
 
 # Trains a small character-level transformer on the CPU (a few minutes) with
