@@ -20,7 +20,7 @@ else
   XDIST := -n $(PYTEST_WORKERS)
 endif
 
-.PHONY: venv demo test test-gpu clean
+.PHONY: venv demo test test-lib test-tools test-gpu clean
 
 venv: $(STAMP)
 
@@ -48,8 +48,24 @@ $(STAMP): pyproject.toml constraints.txt | $(VPY)
 demo: $(STAMP)
 	$(VPY) -m examples.train_lm $(DEMO_ARGS)
 
+# The library's tests (tests/), then those of the benchmark harness and the
+# developer tools (tests/tools/), each reported on its own; fails if either
+# fails.  pytest's status 5 (nothing collected, e.g. a PYTEST_ARGS filter
+# that matches only one of the two) is not a failure.
+PYTEST := $(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 test: $(STAMP)
-	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	@status=0; \
+	echo "== library tests"; \
+	$(PYTEST) --ignore=tests/tools tests || { [ $$? = 5 ] || status=1; }; \
+	echo "== benchmark and tool tests"; \
+	$(PYTEST) tests/tools || { [ $$? = 5 ] || status=1; }; \
+	exit $$status
+
+test-lib: $(STAMP)
+	$(PYTEST) --ignore=tests/tools tests
+
+test-tools: $(STAMP)
+	$(PYTEST) tests/tools
 
 # On a CUDA machine: only the GPU tests.  No .venv and no install: the GPU
 # machines have no package registry, and their own python3 already holds jax

@@ -14,37 +14,57 @@ from benchmarks import clocks, grid, impls, report
 from benchmarks.cells import Cell
 from benchmarks.timing import TimerConfig
 
-# A stand-in for nvidia-smi: Python's print buffers kilobytes when its
-# output is a pipe and flushes each line on a terminal, as C programs do.
-# It reports 1000 MHz / 100 W for its first 0.4 s, then 2000 MHz / 300 W.
-_FAKE = """#!{python}
-import sys, time
+# Stand-ins for nvidia-smi.  Their output file buffers kilobytes when it is
+# a pipe and writes each line as it is printed on a terminal, as C programs
+# do (whatever PYTHONUNBUFFERED says).  Neither depends on time: the first prints reading i and then
+# waits for the file <acks>/<i> before the next, so that the test knows
+# which readings exist at any moment; the second reports 1000 MHz / 100.5 W
+# until the file <flag> exists, then 2000 MHz / 300.5 W.
+_LOCKSTEP = """#!{python}
+import os, sys, time
 assert "--query-gpu=clocks.sm,power.draw" in sys.argv, sys.argv
-start = time.monotonic()
-print("clocks.sm [MHz], power.draw [W]")
+with open({pid!r}, "w") as f:
+    f.write(str(os.getpid()))
+out = open(sys.stdout.fileno(), "w", closefd=False)
+print("clocks.sm [MHz], power.draw [W]", file=out)
+for i, line in enumerate({readings!r}):
+    print(line, file=out)
+    print("[N/A], [N/A]", file=out)
+    while not os.path.exists(os.path.join({acks!r}, str(i))):
+        time.sleep(0.001)
 while True:
-    late = time.monotonic() - start > 0.4
-    print("2000, 300.5" if late else "1000, 100.5")
-    print("[N/A], [N/A]")
+    time.sleep(1)
+"""
+_SWITCHING = """#!{python}
+import os, sys, time
+assert "--query-gpu=clocks.sm,power.draw" in sys.argv, sys.argv
+out = open(sys.stdout.fileno(), "w", closefd=False)
+print("clocks.sm [MHz], power.draw [W]", file=out)
+while True:
+    print("2000, 300.5" if os.path.exists({flag!r}) else "1000, 100.5",
+          file=out)
+    print("[N/A], [N/A]", file=out)
     time.sleep(0.005)
 """
 
 
-def _first_reading(sampler, timeout=30.0):
-  """Waits for the sampler's first reading (the fake's start-up time
-  varies with the machine's load), so that its periods line up."""
-  deadline = time.perf_counter() + timeout
-  while not sampler.samples:
-    assert time.perf_counter() < deadline, "no reading from the fake"
-    time.sleep(0.001)
-
-
-@pytest.fixture
-def fake_smi(tmp_path):
-  path = tmp_path / "fake-smi"
-  path.write_text(_FAKE.format(python=sys.executable))
+def _program(path, text):
+  path.write_text(text)
   path.chmod(path.stat().st_mode | stat.S_IXUSR)
   return str(path)
+
+
+def _wait_for(sampler, done, what, timeout=120.0):
+  """Polls until ``done(samples)``; the timeout only guards against a hang
+  (a reading that never arrives), it is not what the test measures."""
+  deadline = time.perf_counter() + timeout
+  while True:
+    with sampler._lock:
+      samples = list(sampler.samples)
+    if done(samples):
+      return
+    assert time.perf_counter() < deadline, what
+    time.sleep(0.001)
 
 
 def test_parse_line_takes_readings_and_skips_the_rest():
@@ -73,25 +93,33 @@ def test_window_mean_and_group_summary():
   assert clocks.summarize_windows([None, None]) is None
 
 
-def test_sampler_stamps_readings_as_they_are_taken(fake_smi):
-  """Readings of the first and the later period fall in their own
-  windows: they are not held back in the program's output buffer."""
-  with clocks.ClockSampler(interval_ms=5, command=fake_smi) as sampler:
-    _first_reading(sampler)
-    t0 = time.perf_counter()
-    time.sleep(0.3)
-    t1 = time.perf_counter()
-    time.sleep(0.3)  # the switch to 2000 MHz at 0.4 s
-    t2 = time.perf_counter()
-    time.sleep(0.3)
+def test_sampler_stamps_readings_as_they_are_taken(tmp_path):
+  """Each reading is received and stamped while the program waits before
+  its next one (not held back in the program's output buffer), so readings
+  fall into the windows in which they were taken; closing the sampler
+  stops the program."""
+  acks, pid = tmp_path / "acks", tmp_path / "pid"
+  acks.mkdir()
+  readings = ["1000, 100.5"] * 3 + ["2000, 300.5"] * 3
+  smi = _program(tmp_path / "fake-smi", _LOCKSTEP.format(
+      python=sys.executable, pid=str(pid), readings=readings,
+      acks=str(acks)))
+  t0 = time.perf_counter()
+  with clocks.ClockSampler(interval_ms=5, command=smi) as sampler:
+    for i in range(len(readings)):
+      _wait_for(sampler, lambda s: len(s) > i,
+                f"reading {i} not received while the program waits")
+      assert len(sampler.samples) == i + 1
+      if i == 2:
+        t1 = time.perf_counter()
+        t2 = time.perf_counter()
+      (acks / str(i)).touch()
     t3 = time.perf_counter()
-  early, late = sampler.window(t0, t1), sampler.window(t2, t3)
-  assert early["samples"] >= 3 and late["samples"] >= 3
-  assert early["sm_mhz"] == 1000.0 and early["watts"] == 100.5
-  assert late["sm_mhz"] == 2000.0 and late["watts"] == 300.5
-  count = len(sampler.samples)
-  time.sleep(0.05)
-  assert len(sampler.samples) == count  # closed: no more readings
+    early, late = sampler.window(t0, t1), sampler.window(t2, t3)
+  assert early == dict(sm_mhz=1000.0, watts=100.5, samples=3)
+  assert late == dict(sm_mhz=2000.0, watts=300.5, samples=3)
+  with pytest.raises(ProcessLookupError):
+    os.kill(int(pid.read_text()), 0)
 
 
 def test_sampler_refuses_a_missing_program_and_a_bad_interval():
@@ -101,13 +129,22 @@ def test_sampler_refuses_a_missing_program_and_a_bad_interval():
     clocks.ClockSampler(interval_ms=0)
 
 
-def test_grid_entries_carry_clocks_and_grid_md_shows_them(fake_smi,
-                                                         tmp_path):
-  timer = TimerConfig(calls=2, repeats=3, warmup=1, max_seconds=1.0)
+def test_grid_entries_carry_clocks_and_grid_md_shows_them(tmp_path):
+  """Each timed entry carries the clock of its own timing groups: the
+  stand-in reports 1000 MHz until it is switched to 2000 MHz before the
+  cell runs, and every entry then shows 2000."""
+  flag = tmp_path / "switched"
+  smi = _program(tmp_path / "fake-smi", _SWITCHING.format(
+      python=sys.executable, flag=str(flag)))
+  timer = TimerConfig(calls=2, repeats=3, warmup=1, max_seconds=1e6)
   chosen = impls.make_impls(["jflash:xla"])
-  with clocks.ClockSampler(interval_ms=5, command=fake_smi) as sampler:
-    _first_reading(sampler)
-    time.sleep(0.45)  # past the fake's first period
+  with clocks.ClockSampler(interval_ms=5, command=smi) as sampler:
+    _wait_for(sampler, lambda s: s, "no reading from the stand-in")
+    flag.touch()
+    # Readings arrive in the order they are taken: once one at 2000 MHz
+    # has been stamped, every later one is at 2000 MHz.
+    _wait_for(sampler, lambda s: s[-1][1] == 2000.0,
+              "no reading after the switch")
     runner = grid.CellRunner(chosen, timer, dtype=jnp.float32,
                              input_sets=2, seed=5, clocks=sampler)
     rows = runner.run(Cell(1, 64, 2, 16, causal=True), 0)

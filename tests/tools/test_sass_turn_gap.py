@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-_PATH = pathlib.Path(__file__).parent.parent / "tools" / "sass_turn_gap.py"
+_PATH = pathlib.Path(__file__).parents[2] / "tools" / "sass_turn_gap.py"
 _SPEC = importlib.util.spec_from_file_location("sass_turn_gap", _PATH)
 sass_turn_gap = importlib.util.module_from_spec(_SPEC)
 sys.modules.setdefault("sass_turn_gap", sass_turn_gap)  # for its dataclass

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-_PATH = pathlib.Path(__file__).parent.parent / "tools" / "forward_trace.py"
+_PATH = pathlib.Path(__file__).parents[2] / "tools" / "forward_trace.py"
 _SPEC = importlib.util.spec_from_file_location("forward_trace", _PATH)
 forward_trace = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(forward_trace)
