@@ -815,3 +815,45 @@ def test_sequences_shorter_than_a_tile_are_padded_to_it():
   pads = mosaic_gpu._padding(mask, plan)
   assert (pads.q_rows, pads.kv_rows) == (pads.q_pad, pads.kv_pad)
   assert pads.q_pad >= 64 and pads.kv_pad >= 64
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("features,t,s", [
+    (dict(is_causal=True, lengths=True), 200, 330),
+    (dict(window=(33, 5), segments=True, soft_cap=2.0), 200, 330),
+    (dict(), 4096, 4096),  # the fused backward at head dims 64 and 128
+    (dict(is_causal=True), 4096, 4096),
+])
+def test_kernels_lower_under_x64(head_dim, features, t, s, monkeypatch):
+  """With ``jax_enable_x64`` on, Python ints and Python-bounded loop
+  indices are 64-bit: forward and gradient through
+  ``jflash.dot_product_attention(implementation="mosaic_gpu")`` (GQA, each
+  mask feature, soft cap) still trace and lower for CUDA, with every
+  kernel's index math in int32."""
+  monkeypatch.setattr(mosaic_gpu, "_is_hopper", lambda: True)
+  rng = _rng()
+  batch, n, k = 2, 4, 2
+  q = jax.ShapeDtypeStruct((batch, t, n, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((batch, s, k, head_dim), jnp.bfloat16)
+  extra = dict(is_causal=features.get("is_causal", False),
+               local_window_size=features.get("window"),
+               logits_soft_cap=features.get("soft_cap"))
+  if features.get("lengths"):
+    extra.update(query_seq_lengths=np.asarray([t, 10]),
+                 key_value_seq_lengths=np.asarray([200, s]))
+  if features.get("segments"):
+    extra.update(segment_ids=(random_segments(rng, batch, t),
+                              random_segments(rng, batch, s)))
+
+  def loss(q, k, v):
+    out = jflash.dot_product_attention(q, k, v, implementation="mosaic_gpu",
+                                       **extra)
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.enable_x64(True):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  fused = mosaic_gpu.default_config(
+      head_dim, s, causal=extra["is_causal"], soft_cap="soft_cap" in features,
+      segments="segments" in features, window=features.get("window")).fuse_dq
+  assert text.count("custom_call @mosaic_gpu") == (2 if fused else 3)

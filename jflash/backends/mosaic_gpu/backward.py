@@ -105,7 +105,7 @@ class QueryRing:
     @pl.loop(0, steps)
     def _load(i):
       used = first_step + i
-      slot = lax.rem(used, stages)
+      slot = lax.rem(used, common.i32(stages))
       head, q_tile = head_and_tile(i)
       rows = pl.ds(q_tile * block_q, block_q)
 
@@ -404,7 +404,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           next_class = class_ref[b, kv_block, lax.rem(i + 1, count), wg]
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
-          slot = lax.rem(first_step + i, stages) + zero
+          slot = lax.rem(first_step + i, common.i32(stages)) + zero
           k_smem = k_smem2.at[buffer + zero]
           v_smem = v_smem2.at[buffer + zero]
 

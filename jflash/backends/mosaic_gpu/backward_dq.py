@@ -150,7 +150,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           following = step_info(i + 1)
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
-          slot = lax.rem(first_step + i, stages) + zero
+          slot = lax.rem(first_step + i, common.i32(stages)) + zero
           q_smem, do_smem = q_smem2.at[wg + zero], do_smem2.at[wg + zero]
 
           def dp_product(acc_ref):

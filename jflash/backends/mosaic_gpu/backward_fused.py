@@ -134,7 +134,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       stagings=2) <= common.SMEM_LIMIT_BYTES else 1
 
   def staging_of(i):
-    return lax.rem(i, 2) if stagings == 2 else 0
+    return lax.rem(i, common.i32(2)) if stagings == 2 else 0
 
   def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
              class_ref, rank_ref, *rest):
@@ -150,7 +150,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
     kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
     # This key block's accumulator, as a row of the flattened [slots * B].
-    acc_row = lax.rem(kv_block, slots) * batch + b
+    acc_row = lax.rem(kv_block, common.i32(slots)) * batch + b
     turns = pl.get_global(plgpu.SemaphoreType.REGULAR(
         (slots * batch * num_heads * num_q_tiles,)))
 
@@ -194,10 +194,10 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           next_class = class_ref[b, kv_block, lax.rem(i + 1, count), wg]
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
-          slot = lax.rem(i, stages) + zero
+          slot = lax.rem(i, common.i32(stages)) + zero
           k_smem, v_smem = k_smem2.at[wg + zero], v_smem2.at[wg + zero]
           # dS slot, and the consumer that forms this step's dQ product.
-          turn = lax.rem(i, 2)
+          turn = lax.rem(i, common.i32(2))
 
           def mask(s, q_seg):
             _, q_tile = head_and_tile(i)
@@ -284,7 +284,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         for back in (1, 2):
           @pl.when(steps >= back)
           def _():
-            plgpu.barrier_wait(ds_free.at[lax.rem(steps - back, 2)])
+            plgpu.barrier_wait(ds_free.at[lax.rem(steps - back, common.i32(2))])
         k_smem[...] = (dk * logits.scale).astype(dtype)
         v_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()

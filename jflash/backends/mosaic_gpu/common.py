@@ -12,6 +12,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
@@ -292,6 +293,22 @@ def broadcast_cols(x: Array, shape: tuple[int, int]) -> Array:
   return lax.broadcast_in_dim(x, shape, [1])
 
 
+def i32(x):
+  """``x`` as an int32 scalar for the kernels' index math.
+
+  Under ``jax_enable_x64`` a Python int passed to a ``lax`` operation
+  becomes int64, as does the index of a ``lax.fori_loop`` over Python
+  bounds, and ``lax`` operations refuse mixed dtypes.  Python ints become
+  int32 constants and 64-bit values are converted; int32 values pass
+  unchanged (so that without x64 nothing is added to the kernel).
+  """
+  if isinstance(x, (int, np.integer)):
+    return np.int32(x)
+  if x.dtype == jnp.int32:
+    return x
+  return lax.convert_element_type(x, jnp.int32)
+
+
 def scalar_or_none(ref, index) -> Array | None:
   return None if ref is None else ref[index]
 
@@ -340,12 +357,14 @@ class PersistentItems:
     """``(k, (head, batch row, block))`` of this CTA's item in pass ``n``;
     ``k >= num_items`` past the last item (the lookup stays in bounds and
     the caller skips it)."""
-    lane = jnp.where(lax.rem(n, 2) == 0, cta, self.num_ctas - 1 - cta)
+    n = i32(n)
+    lane = jnp.where(lax.rem(n, i32(2)) == 0, cta, self.num_ctas - 1 - cta)
     k = n * self.num_ctas + lane
     flat = block_order_ref[lax.div(jnp.minimum(k, self.num_items - 1),
-                                   self.num_heads)]
-    return k, (lax.rem(k, self.num_heads), lax.div(flat, self.blocks_per_row),
-               lax.rem(flat, self.blocks_per_row))
+                                   i32(self.num_heads))]
+    return k, (lax.rem(k, i32(self.num_heads)),
+               lax.div(flat, i32(self.blocks_per_row)),
+               lax.rem(flat, i32(self.blocks_per_row)))
 
   def for_each(self, block_order_ref, cta, work, init=None) -> None:
     """``work(head, b, block, carry, next_item) -> carry`` over this CTA's
@@ -385,7 +404,7 @@ def stream_tiles(count, tile_at, stages: int, block: int, streams, b,
 
   @pl.loop(0, count)
   def _load(i):
-    slot = lax.rem(first_step + i, stages)
+    slot = lax.rem(first_step + i, i32(stages))
     rows = pl.ds(tile_at(i) * block, block)
     for n, (ref, smem, ready, free, head) in enumerate(streams):
       @pl.when(first_step + i >= stages)
@@ -412,7 +431,7 @@ def kv_item_producer(order_ref, count_ref, *, group: int, stages: int,
   def produce_item(head, b, q_block, first_step, next_item):
     del next_item
     count, tile_at = schedule_row(order_ref, count_ref, b, q_block)
-    kv_head = lax.div(head, group)
+    kv_head = lax.div(head, i32(group))
     streams = [(*k, kv_head), (*v, kv_head)]
     if v_first:
       streams.reverse()

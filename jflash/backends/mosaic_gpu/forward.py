@@ -268,7 +268,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return class_ref[b, q_block, i, wg], tile_at(i)
 
         def slot_of(i):
-          return lax.rem(first_step + i, stages)
+          return lax.rem(first_step + i, common.i32(stages))
 
         # Key segment ids ride in K's slot: with them, the slot is released
         # only after the step's softmax, whose masked branch alone reads
@@ -471,7 +471,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         @pl.when(first_k_due)
         def _():
           with _region("first_k_wait"):
-            plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
+            plgpu.barrier_wait(k_ready.at[lax.rem(first_step, common.i32(stages))])
         # The consumers alternate on the tensor cores: each waits for the
         # turn before P V and passes it after the next Q K^T of the item,
         # or after P V at the item's last step (see _consumer).
@@ -696,7 +696,7 @@ def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
   Returns ``(acc, m, l)`` as the plain loop does.
   """
   def slot_of(i):
-    return lax.rem(first_step + i, stages)
+    return lax.rem(first_step + i, common.i32(stages))
 
   def update(qk, m, l, info, kv_seg):
     """float32 probabilities, new maximum, rescale factor, new row sums."""
