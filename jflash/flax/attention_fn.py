@@ -51,7 +51,6 @@ from flax import nnx
 from flax.linen.dtypes import promote_dtype
 
 import jflash
-from jflash import masks
 
 Array = jax.Array
 
@@ -272,39 +271,3 @@ def attention_fn(
       logits_soft_cap=logits_soft_cap, implementation=implementation)
   return out[..., :v_dim].reshape(batch_shape + out.shape[1:3] + (v_dim,))
 
-
-def decode_visibility(
-    cur_index: Array, max_length: int, batch_shape: tuple[int, ...], *,
-    mask: Array | None, key_value_seq_lengths: Array | None,
-    local_window_size: int | tuple[int, int] | None, dense: bool,
-) -> tuple[Array | None, Array | None]:
-  """Visibility of one autoregressive decode step, for the modules.
-
-  The single query sits at position ``cur_index`` of a cache of
-  ``max_length`` keys: it sees the written slots ``s <= cur_index`` and, with
-  a window ``(left, right)``, only ``s >= cur_index - left``.  With ``dense``
-  (needed when Flax's fallback will run) everything goes into the mask, as
-  Flax does; otherwise occupancy becomes ``key_value_seq_lengths`` and only a
-  window adds a mask row.
-
-  Returns:
-    ``(mask, key_value_seq_lengths)`` to pass with ``local_window_size=None``
-    and ``is_causal=False``.
-  """
-  row = None
-  if local_window_size is not None or dense:
-    # Occupancy (s <= cur_index) is the causal rule at position cur_index.
-    window = (None if local_window_size is None
-              else tuple(local_window_size)
-              if isinstance(local_window_size, (tuple, list))
-              else (local_window_size, local_window_size))
-    row = masks.key_visibility_at(cur_index, max_length, is_causal=True,
-                                  window=window)
-  if not dense:
-    lengths = jnp.full(batch_shape, cur_index + 1, jnp.int32)
-    if key_value_seq_lengths is not None:
-      lengths = jnp.minimum(lengths, jnp.asarray(key_value_seq_lengths))
-    key_value_seq_lengths = lengths
-  if row is not None:
-    mask = row if mask is None else jnp.logical_and(mask, row)
-  return mask, key_value_seq_lengths

@@ -8,10 +8,8 @@ checkpoints load either way; the same ``decode`` cache variables
 :func:`jflash.flax.attention_fn`, so dropout and ``sow_weights`` fall back to
 Flax's own attention with a warning (see that module's docstring).
 
-Decode steps express cache occupancy as ``key_value_seq_lengths`` (a dense
-mask row only for a local window, or when Flax's fallback runs) and match
-the non-decode causal output token by token.  A query row that sees no key
-outputs zeros before the ``out`` projection (Flax: the mean of the values).
+The call itself (inputs, decode cache, attention and fallback) is shared
+with the other framework's module: see :mod:`jflash.flax.common`.
 """
 
 from __future__ import annotations
@@ -24,10 +22,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jflash.flax.attention_fn import (attention_fn, decode_visibility,
-                                      fallback_reason)
+from jflash.flax import common
+from jflash.flax.attention_fn import attention_fn
 
 Array = jax.Array
 
@@ -38,11 +35,9 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
   Every field of ``flax.linen.MultiHeadDotProductAttention``, plus:
 
   Attributes:
-    implementation: jflash backend choice (see
-      :func:`jflash.dot_product_attention`); None picks the best.
-    local_window_size: ``(left, right)`` or one int: query ``t`` sees keys
-      ``t - left .. t + right``.
-    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+    implementation, local_window_size, logits_soft_cap: as in
+      :func:`jflash.dot_product_attention` (None: best backend, no window, no
+      cap).
 
   ``attention_fn`` must stay the default: this module exists to run jflash.
   """
@@ -68,7 +63,7 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
       query_seq_lengths: Array | None = None,
       key_value_seq_lengths: Array | None = None,
   ) -> Array:
-    """Projects the inputs, attends with jflash, projects back.
+    """Projects with ``nn.DenseGeneral``, attends with jflash, projects back.
 
     Args:
       inputs_q: ``[batch..., T, F]``.
@@ -82,10 +77,8 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
         back to Flax's attention).
       is_causal: query ``t`` sees keys ``s <= t`` (ignored in decode steps,
         which are causal by construction).
-      segment_ids: int ``[batch..., T]`` or a pair ``([batch..., T],
-        [batch..., S])``: packed documents.
-      query_seq_lengths: int ``[batch...]``; later queries output zeros.
-      key_value_seq_lengths: int ``[batch...]``; later keys are hidden.
+      segment_ids, query_seq_lengths, key_value_seq_lengths: as in
+        :func:`jflash.flax.attention_fn` (packed documents, valid lengths).
 
     Returns:
       ``[batch..., T, out_features]``.
@@ -101,12 +94,7 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
       warnings.warn("inputs_kv is deprecated; use inputs_k and inputs_v",
                     DeprecationWarning, stacklevel=2)
       inputs_k = inputs_v = inputs_kv
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("inputs_k cannot be None if inputs_v is not None")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = common.kv_inputs(inputs_q, inputs_k, inputs_v)
 
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
@@ -142,19 +130,13 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
       cache_index = self.variable("cache", "cache_index",
                                   lambda: jnp.array(0, dtype=jnp.int32))
       if is_initialized:
-        *batch_dims, max_length, num_heads, depth = cached_key.value.shape
-        expected = tuple(batch_dims) + (1, num_heads, depth)
-        if expected != query.shape:
-          raise ValueError("Autoregressive cache shape error, expected query "
-                           f"shape {expected} instead got {query.shape}.")
         decode_index = cache_index.value
-        zero = jnp.array(0, dtype=lax.dtype(decode_index.dtype))
-        indices = (zero,) * len(batch_dims) + (decode_index, zero, zero)
-        key = lax.dynamic_update_slice(cached_key.value, key, indices)
-        value = lax.dynamic_update_slice(cached_value.value, value, indices)
+        key, value = common.write_cache(
+            cached_key.value, cached_value.value, decode_index, key, value,
+            checked=("query", query.shape))
         cached_key.value = key
         cached_value.value = value
-        cache_index.value = cache_index.value + 1
+        cache_index.value = decode_index + 1
 
     if self.dropout_rate > 0.0:
       m_deterministic = nn.merge_param("deterministic", self.deterministic,
@@ -167,34 +149,13 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
                  if self.qk_attn_weights_einsum_cls else None)
     av_einsum = (self.attn_weights_value_einsum_cls()
                  if self.attn_weights_value_einsum_cls else None)
-    module = self if sow_weights else None
-
-    window = self.local_window_size
-    if decode_index is not None:
-      reason = fallback_reason(
-          dropout_rate=self.dropout_rate, deterministic=m_deterministic,
-          module=module, precision=self.precision,
-          qk_attn_weights_einsum=qk_einsum,
-          attn_weights_value_einsum=av_einsum)
-      mask, key_value_seq_lengths = decode_visibility(
-          decode_index, key.shape[-3], key.shape[:-3], mask=mask,
-          key_value_seq_lengths=key_value_seq_lengths,
-          local_window_size=window, dense=reason is not None)
-      window, is_causal = None, False
-
-    x = attention_fn(
-        query, key, value, mask=mask, dropout_rng=dropout_rng,
-        dropout_rate=self.dropout_rate,
-        broadcast_dropout=self.broadcast_dropout,
-        deterministic=m_deterministic, dtype=self.dtype,
-        precision=self.precision, module=module,
-        force_fp32_for_softmax=self.force_fp32_for_softmax,
-        qk_attn_weights_einsum=qk_einsum,
-        attn_weights_value_einsum=av_einsum, is_causal=is_causal,
-        segment_ids=segment_ids, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=window,
-        logits_soft_cap=self.logits_soft_cap,
-        implementation=self.implementation)
+    x = common.attend(
+        self, query, key, value, decode_index, mask=mask, is_causal=is_causal,
+        dropout_rng=dropout_rng, deterministic=m_deterministic,
+        sow_weights=sow_weights, segment_ids=segment_ids,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        qk_attn_weights_einsum=qk_einsum, attn_weights_value_einsum=av_einsum)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,
