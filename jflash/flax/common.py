@@ -36,7 +36,8 @@ def kv_inputs(inputs_q: Array, inputs_k: Array | None,
       raise ValueError(
           "`inputs_k` cannot be None if `inputs_v` is not None. To have both "
           "`inputs_k` and `inputs_v` be the same value, pass in the value to "
-          "`inputs_k` and leave `inputs_v` as None.")
+          "`inputs_k` and leave `inputs_v` as None. (Got inputs_v of shape "
+          f"{inputs_v.shape} and no inputs_k.)")
     inputs_k = inputs_q
   if inputs_v is None:
     inputs_v = inputs_k
@@ -97,9 +98,11 @@ def attend(
   module = layer if sow_weights else None
   window = layer.local_window_size
   if decode_index is not None:
+    dtype = (jnp.result_type(query, key, value) if layer.dtype is None
+             else layer.dtype)
     reason = fallback_reason(
-        dropout_rate=layer.dropout_rate, deterministic=deterministic,
-        module=module, precision=layer.precision,
+        dtype=dtype, dropout_rate=layer.dropout_rate,
+        deterministic=deterministic, module=module, precision=layer.precision,
         qk_attn_weights_einsum=qk_attn_weights_einsum,
         attn_weights_value_einsum=attn_weights_value_einsum)
     mask, key_value_seq_lengths = decode_visibility(

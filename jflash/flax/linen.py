@@ -15,7 +15,6 @@ with the other framework's module: see :mod:`jflash.flax.common`.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,9 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from jflash.flax import common
-from jflash.flax.attention_fn import attention_fn
+from jflash.flax.attention_fn import attention_fn, warn_at_caller
 
 Array = jax.Array
+
+_DISCUSSION = "https://github.com/google/flax/discussions/3389"
 
 
 class MultiHeadAttention(nn.MultiHeadDotProductAttention):
@@ -90,17 +91,39 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
           "flax.linen.MultiHeadDotProductAttention for a custom attention_fn")
     if inputs_kv is not None:
       if inputs_k is not None or inputs_v is not None:
-        raise ValueError("pass either inputs_kv or inputs_k / inputs_v")
-      warnings.warn("inputs_kv is deprecated; use inputs_k and inputs_v",
-                    DeprecationWarning, stacklevel=2)
+        given = [n for n, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v))
+                 if x is not None]
+        raise ValueError(
+            "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+            "be None. If `inputs_kv` is not None, both `inputs_k` and "
+            "`inputs_v` must be None. We recommend using `inputs_k` and "
+            "`inputs_v` args, since `inputs_kv` will be deprecated soon. See "
+            f"{_DISCUSSION} for more information. (Got inputs_kv together "
+            f"with {' and '.join(given)}.)")
+      warn_at_caller(
+          "The inputs_kv arg will be deprecated soon. Use inputs_k and "
+          f"inputs_v instead. See {_DISCUSSION} for more information.",
+          DeprecationWarning)
       inputs_k = inputs_v = inputs_kv
+    elif inputs_v is not None and inputs_v.shape[-1] == inputs_v.shape[-2]:
+      warn_at_caller(
+          f"You are passing an array of shape {inputs_v.shape} to the "
+          "`inputs_v` arg, when you may have intended to pass it to the "
+          "`mask` arg. As in Flax, the function signature of "
+          "MultiHeadDotProductAttention's `__call__` method has changed to "
+          "`__call__(inputs_q, inputs_k=None, inputs_v=None, *, "
+          "inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg "
+          f"`mask` instead. See {_DISCUSSION} and read the docstring for more "
+          "information.", DeprecationWarning)
     inputs_k, inputs_v = common.kv_inputs(inputs_q, inputs_k, inputs_v)
 
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     if qkv_features % self.num_heads:
-      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by "
-                       f"num_heads ({self.num_heads})")
+      raise ValueError(
+          f"Memory dimension ({qkv_features}) must be divisible by number of "
+          f"heads ({self.num_heads}). (qkv_features={self.qkv_features}, "
+          f"num_heads={self.num_heads}, inputs_q shape {inputs_q.shape})")
     head_dim = qkv_features // self.num_heads
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype,

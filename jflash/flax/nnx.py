@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
