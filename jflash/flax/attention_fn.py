@@ -175,7 +175,7 @@ def _flatten_ids(x: Any, name: str, layout: str,
   return x.reshape((math.prod(batch_shape),) + expected[len(batch_shape):])
 
 
-def is_segment_pair(segment_ids: Any) -> bool:
+def _is_segment_pair(segment_ids: Any) -> bool:
   """A tuple, or a list of two arrays, is ``(q_segment_ids,
   kv_segment_ids)``; any other list (nested Python numbers) is one array of
   ids, as ``np.asarray`` reads it."""
@@ -190,7 +190,7 @@ def _flatten_segment_ids(segment_ids: Any, batch_shape: tuple[int, ...],
   same with one flattened batch axis (a pair comes back as a tuple)."""
   if segment_ids is None:
     return None
-  if not is_segment_pair(segment_ids):
+  if not _is_segment_pair(segment_ids):
     if q_len != kv_len:
       raise ValueError(
           "segment_ids as one array [batch..., T] needs T == S (self-"

@@ -30,6 +30,43 @@ Array = jax.Array
 _DISCUSSION = "https://github.com/google/flax/discussions/3389"
 
 
+def _kv_inputs(inputs_q: Array, inputs_k: Array | None,
+               inputs_v: Array | None, inputs_kv: Array | None,
+               ) -> tuple[Array, Array]:
+  """Flax Linen's reading of ``inputs_k`` / ``inputs_v`` / ``inputs_kv``:
+  the same errors, and the same ``DeprecationWarning``s for ``inputs_kv`` and
+  for a square ``[..., S, S]`` array passed positionally where a mask may
+  have been meant."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      given = [n for n, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v))
+               if x is not None]
+      raise ValueError(
+          "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+          "be None. If `inputs_kv` is not None, both `inputs_k` and "
+          "`inputs_v` must be None. We recommend using `inputs_k` and "
+          "`inputs_v` args, since `inputs_kv` will be deprecated soon. See "
+          f"{_DISCUSSION} for more information. (Got inputs_kv together "
+          f"with {' and '.join(given)}.)")
+    warn_at_caller(
+        "The inputs_kv arg will be deprecated soon. Use inputs_k and "
+        f"inputs_v instead. See {_DISCUSSION} for more information.",
+        DeprecationWarning)
+    inputs_k = inputs_v = inputs_kv
+  elif (inputs_k is not None and inputs_v is not None
+        and inputs_v.shape[-1] == inputs_v.shape[-2]):
+    warn_at_caller(
+        f"You are passing an array of shape {inputs_v.shape} to the "
+        "`inputs_v` arg, when you may have intended to pass it to the "
+        "`mask` arg. As in Flax, the function signature of "
+        "MultiHeadDotProductAttention's `__call__` method has changed to "
+        "`__call__(inputs_q, inputs_k=None, inputs_v=None, *, "
+        "inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg "
+        f"`mask` instead. See {_DISCUSSION} and read the docstring for more "
+        "information.", DeprecationWarning)
+  return common.kv_inputs(inputs_q, inputs_k, inputs_v)
+
+
 class MultiHeadAttention(nn.MultiHeadDotProductAttention):
   """Multi-head attention with jflash kernels.
 
@@ -89,33 +126,7 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
           "jflash.flax.linen.MultiHeadAttention always uses jflash attention; "
           f"got attention_fn={self.attention_fn!r}. Use "
           "flax.linen.MultiHeadDotProductAttention for a custom attention_fn")
-    if inputs_kv is not None:
-      if inputs_k is not None or inputs_v is not None:
-        given = [n for n, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v))
-                 if x is not None]
-        raise ValueError(
-            "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
-            "be None. If `inputs_kv` is not None, both `inputs_k` and "
-            "`inputs_v` must be None. We recommend using `inputs_k` and "
-            "`inputs_v` args, since `inputs_kv` will be deprecated soon. See "
-            f"{_DISCUSSION} for more information. (Got inputs_kv together "
-            f"with {' and '.join(given)}.)")
-      warn_at_caller(
-          "The inputs_kv arg will be deprecated soon. Use inputs_k and "
-          f"inputs_v instead. See {_DISCUSSION} for more information.",
-          DeprecationWarning)
-      inputs_k = inputs_v = inputs_kv
-    elif inputs_v is not None and inputs_v.shape[-1] == inputs_v.shape[-2]:
-      warn_at_caller(
-          f"You are passing an array of shape {inputs_v.shape} to the "
-          "`inputs_v` arg, when you may have intended to pass it to the "
-          "`mask` arg. As in Flax, the function signature of "
-          "MultiHeadDotProductAttention's `__call__` method has changed to "
-          "`__call__(inputs_q, inputs_k=None, inputs_v=None, *, "
-          "inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg "
-          f"`mask` instead. See {_DISCUSSION} and read the docstring for more "
-          "information.", DeprecationWarning)
-    inputs_k, inputs_v = common.kv_inputs(inputs_q, inputs_k, inputs_v)
+    inputs_k, inputs_v = _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
 
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
