@@ -8,28 +8,63 @@ checkpoints load either way; the same ``decode`` cache variables
 :func:`jflash.flax.attention_fn`, so dropout and ``sow_weights`` fall back to
 Flax's own attention with a warning (see that module's docstring).
 
-Decode steps express cache occupancy as ``key_value_seq_lengths`` (a dense
-mask row only for a local window, or when Flax's fallback runs) and match
-the non-decode causal output token by token.  A query row that sees no key
-outputs zeros before the ``out`` projection (Flax: the mean of the values).
+The call itself (inputs, decode cache, attention and fallback) is shared
+with the other framework's module: see :mod:`jflash.flax.common`.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jflash.flax.attention_fn import (attention_fn, decode_visibility,
-                                      fallback_reason)
+from jflash.flax import common
+from jflash.flax.attention_fn import attention_fn, warn_at_caller
 
 Array = jax.Array
+
+_DISCUSSION = "https://github.com/google/flax/discussions/3389"
+
+
+def _kv_inputs(inputs_q: Array, inputs_k: Array | None,
+               inputs_v: Array | None, inputs_kv: Array | None,
+               ) -> tuple[Array, Array]:
+  """Flax Linen's reading of ``inputs_k`` / ``inputs_v`` / ``inputs_kv``:
+  the same errors, and the same ``DeprecationWarning``s for ``inputs_kv`` and
+  for a square ``[..., S, S]`` array passed positionally where a mask may
+  have been meant."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      given = [n for n, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v))
+               if x is not None]
+      raise ValueError(
+          "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+          "be None. If `inputs_kv` is not None, both `inputs_k` and "
+          "`inputs_v` must be None. We recommend using `inputs_k` and "
+          "`inputs_v` args, since `inputs_kv` will be deprecated soon. See "
+          f"{_DISCUSSION} for more information. (Got inputs_kv together "
+          f"with {' and '.join(given)}.)")
+    warn_at_caller(
+        "The inputs_kv arg will be deprecated soon. Use inputs_k and "
+        f"inputs_v instead. See {_DISCUSSION} for more information.",
+        DeprecationWarning)
+    inputs_k = inputs_v = inputs_kv
+  elif (inputs_k is not None and inputs_v is not None
+        and inputs_v.shape[-1] == inputs_v.shape[-2]):
+    warn_at_caller(
+        f"You are passing an array of shape {inputs_v.shape} to the "
+        "`inputs_v` arg, when you may have intended to pass it to the "
+        "`mask` arg. As in Flax, the function signature of "
+        "MultiHeadDotProductAttention's `__call__` method has changed to "
+        "`__call__(inputs_q, inputs_k=None, inputs_v=None, *, "
+        "inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg "
+        f"`mask` instead. See {_DISCUSSION} and read the docstring for more "
+        "information.", DeprecationWarning)
+  return common.kv_inputs(inputs_q, inputs_k, inputs_v)
 
 
 class MultiHeadAttention(nn.MultiHeadDotProductAttention):
@@ -38,11 +73,9 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
   Every field of ``flax.linen.MultiHeadDotProductAttention``, plus:
 
   Attributes:
-    implementation: jflash backend choice (see
-      :func:`jflash.dot_product_attention`); None picks the best.
-    local_window_size: ``(left, right)`` or one int: query ``t`` sees keys
-      ``t - left .. t + right``.
-    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+    implementation, local_window_size, logits_soft_cap: as in
+      :func:`jflash.dot_product_attention` (None: best backend, no window, no
+      cap).
 
   ``attention_fn`` must stay the default: this module exists to run jflash.
   """
@@ -68,7 +101,7 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
       query_seq_lengths: Array | None = None,
       key_value_seq_lengths: Array | None = None,
   ) -> Array:
-    """Projects the inputs, attends with jflash, projects back.
+    """Projects with ``nn.DenseGeneral``, attends with jflash, projects back.
 
     Args:
       inputs_q: ``[batch..., T, F]``.
@@ -82,10 +115,8 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
         back to Flax's attention).
       is_causal: query ``t`` sees keys ``s <= t`` (ignored in decode steps,
         which are causal by construction).
-      segment_ids: int ``[batch..., T]`` or a pair ``([batch..., T],
-        [batch..., S])``: packed documents.
-      query_seq_lengths: int ``[batch...]``; later queries output zeros.
-      key_value_seq_lengths: int ``[batch...]``; later keys are hidden.
+      segment_ids, query_seq_lengths, key_value_seq_lengths: as in
+        :func:`jflash.flax.attention_fn` (packed documents, valid lengths).
 
     Returns:
       ``[batch..., T, out_features]``.
@@ -95,24 +126,15 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
           "jflash.flax.linen.MultiHeadAttention always uses jflash attention; "
           f"got attention_fn={self.attention_fn!r}. Use "
           "flax.linen.MultiHeadDotProductAttention for a custom attention_fn")
-    if inputs_kv is not None:
-      if inputs_k is not None or inputs_v is not None:
-        raise ValueError("pass either inputs_kv or inputs_k / inputs_v")
-      warnings.warn("inputs_kv is deprecated; use inputs_k and inputs_v",
-                    DeprecationWarning, stacklevel=2)
-      inputs_k = inputs_v = inputs_kv
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("inputs_k cannot be None if inputs_v is not None")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
 
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     if qkv_features % self.num_heads:
-      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by "
-                       f"num_heads ({self.num_heads})")
+      raise ValueError(
+          f"Memory dimension ({qkv_features}) must be divisible by number of "
+          f"heads ({self.num_heads}). (qkv_features={self.qkv_features}, "
+          f"num_heads={self.num_heads}, inputs_q shape {inputs_q.shape})")
     head_dim = qkv_features // self.num_heads
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype,
@@ -142,19 +164,13 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
       cache_index = self.variable("cache", "cache_index",
                                   lambda: jnp.array(0, dtype=jnp.int32))
       if is_initialized:
-        *batch_dims, max_length, num_heads, depth = cached_key.value.shape
-        expected = tuple(batch_dims) + (1, num_heads, depth)
-        if expected != query.shape:
-          raise ValueError("Autoregressive cache shape error, expected query "
-                           f"shape {expected} instead got {query.shape}.")
         decode_index = cache_index.value
-        zero = jnp.array(0, dtype=lax.dtype(decode_index.dtype))
-        indices = (zero,) * len(batch_dims) + (decode_index, zero, zero)
-        key = lax.dynamic_update_slice(cached_key.value, key, indices)
-        value = lax.dynamic_update_slice(cached_value.value, value, indices)
+        key, value = common.write_cache(
+            cached_key.value, cached_value.value, decode_index, key, value,
+            checked=("query", query.shape))
         cached_key.value = key
         cached_value.value = value
-        cache_index.value = cache_index.value + 1
+        cache_index.value = decode_index + 1
 
     if self.dropout_rate > 0.0:
       m_deterministic = nn.merge_param("deterministic", self.deterministic,
@@ -167,34 +183,13 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
                  if self.qk_attn_weights_einsum_cls else None)
     av_einsum = (self.attn_weights_value_einsum_cls()
                  if self.attn_weights_value_einsum_cls else None)
-    module = self if sow_weights else None
-
-    window = self.local_window_size
-    if decode_index is not None:
-      reason = fallback_reason(
-          dropout_rate=self.dropout_rate, deterministic=m_deterministic,
-          module=module, precision=self.precision,
-          qk_attn_weights_einsum=qk_einsum,
-          attn_weights_value_einsum=av_einsum)
-      mask, key_value_seq_lengths = decode_visibility(
-          decode_index, key.shape[-3], key.shape[:-3], mask=mask,
-          key_value_seq_lengths=key_value_seq_lengths,
-          local_window_size=window, dense=reason is not None)
-      window, is_causal = None, False
-
-    x = attention_fn(
-        query, key, value, mask=mask, dropout_rng=dropout_rng,
-        dropout_rate=self.dropout_rate,
-        broadcast_dropout=self.broadcast_dropout,
-        deterministic=m_deterministic, dtype=self.dtype,
-        precision=self.precision, module=module,
-        force_fp32_for_softmax=self.force_fp32_for_softmax,
-        qk_attn_weights_einsum=qk_einsum,
-        attn_weights_value_einsum=av_einsum, is_causal=is_causal,
-        segment_ids=segment_ids, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=window,
-        logits_soft_cap=self.logits_soft_cap,
-        implementation=self.implementation)
+    x = common.attend(
+        self, query, key, value, decode_index, mask=mask, is_causal=is_causal,
+        dropout_rng=dropout_rng, deterministic=m_deterministic,
+        sow_weights=sow_weights, segment_ids=segment_ids,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        qk_attn_weights_einsum=qk_einsum, attn_weights_value_einsum=av_einsum)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,

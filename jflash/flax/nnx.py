@@ -9,10 +9,8 @@ transfer either way.  Attention goes through :func:`jflash.flax.attention_fn`,
 so dropout and ``sow_weights`` fall back to Flax's own attention with a
 warning (see that module's docstring).
 
-Decode steps express cache occupancy as ``key_value_seq_lengths`` (a dense
-mask row only for a local window, or when Flax's fallback runs) and match
-the non-decode causal output token by token.  A query row that sees no key
-outputs zeros before the ``out`` projection (Flax: the mean of the values).
+The call itself (inputs, decode cache, attention and fallback) is shared
+with the other framework's module: see :mod:`jflash.flax.common`.
 """
 
 from __future__ import annotations
@@ -21,14 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
-from jax import lax
 
-from jflash.flax.attention_fn import (attention_fn, decode_visibility,
-                                      fallback_reason)
+from jflash.flax import common
+from jflash.flax.attention_fn import attention_fn
 
 Array = jax.Array
 
@@ -40,11 +36,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   unchanged), plus:
 
   Args:
-    implementation: jflash backend choice (see
-      :func:`jflash.dot_product_attention`); None picks the best.
-    local_window_size: ``(left, right)`` or one int: query ``t`` sees keys
-      ``t - left .. t + right``.
-    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``.
+    implementation, local_window_size, logits_soft_cap: as in
+      :func:`jflash.dot_product_attention` (None: best backend, no window, no
+      cap).
 
   ``attention_fn`` must be left out: this module exists to run jflash.
   """
@@ -94,7 +88,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       query_seq_lengths: Array | None = None,
       key_value_seq_lengths: Array | None = None,
   ) -> Array:
-    """Projects the inputs, attends with jflash, projects back.
+    """Projects with ``nnx.LinearGeneral``, attends with jflash, projects back.
 
     Args:
       inputs_q: ``[batch..., T, F]``.
@@ -107,10 +101,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       is_causal: query ``t`` sees keys ``s <= t`` (ignored in decode steps,
         which are causal by construction).
       input_positions: must be None (apply RoPE before attention).
-      segment_ids: int ``[batch..., T]`` or a pair ``([batch..., T],
-        [batch..., S])``: packed documents.
-      query_seq_lengths: int ``[batch...]``; later queries output zeros.
-      key_value_seq_lengths: int ``[batch...]``; later keys are hidden.
+      segment_ids, query_seq_lengths, key_value_seq_lengths: as in
+        :func:`jflash.flax.attention_fn` (packed documents, valid lengths).
 
     Returns:
       ``[batch..., T, out_features]``.
@@ -123,12 +115,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       rngs = self.rngs
     elif isinstance(rngs, rnglib.Rngs):
       rngs = rngs.dropout
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("inputs_k cannot be None if inputs_v is not None")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = common.kv_inputs(inputs_q, inputs_k, inputs_v)
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"Incompatible input dimension, got "
                        f"{inputs_q.shape[-1]} but module expects "
@@ -153,19 +140,13 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
           or self.cache_index is None):
         raise ValueError("Autoregressive cache not initialized, call "
                          "``init_cache`` first.")
-      *batch_dims, max_length, num_kv_heads, depth = self.cached_key.shape
-      expected = tuple(batch_dims) + (1, num_kv_heads, depth)
-      if expected != key.shape:
-        raise ValueError("Autoregressive cache shape error, expected key "
-                         f"shape {expected} instead got {key.shape}.")
       decode_index = self.cache_index[...]
-      zero = jnp.array(0, dtype=lax.dtype(decode_index.dtype))
-      indices = (zero,) * len(batch_dims) + (decode_index, zero, zero)
-      key = lax.dynamic_update_slice(self.cached_key[...], key, indices)
-      value = lax.dynamic_update_slice(self.cached_value[...], value, indices)
+      key, value = common.write_cache(
+          self.cached_key[...], self.cached_value[...], decode_index, key,
+          value, checked=("key", key.shape))
       self.cached_key[...] = key
       self.cached_value[...] = value
-      self.cache_index[...] += 1
+      self.cache_index[...] = decode_index + 1
 
     dropout_rng = None
     if self.dropout_rate > 0.0:
@@ -182,27 +163,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         dropout_rng = rngs()
     else:
       deterministic = True
-    module = self if sow_weights else None
-
-    window = self.local_window_size
-    if decode_index is not None:
-      reason = fallback_reason(
-          dropout_rate=self.dropout_rate, deterministic=deterministic,
-          module=module, precision=self.precision)
-      mask, key_value_seq_lengths = decode_visibility(
-          decode_index, key.shape[-3], key.shape[:-3], mask=mask,
-          key_value_seq_lengths=key_value_seq_lengths,
-          local_window_size=window, dense=reason is not None)
-      window, is_causal = None, False
-
-    x = attention_fn(
-        query, key, value, mask=mask, dropout_rng=dropout_rng,
-        dropout_rate=self.dropout_rate,
-        broadcast_dropout=self.broadcast_dropout,
-        deterministic=deterministic, dtype=self.dtype,
-        precision=self.precision, module=module, is_causal=is_causal,
-        segment_ids=segment_ids, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=window,
-        logits_soft_cap=self.logits_soft_cap,
-        implementation=self.implementation)
+    x = common.attend(
+        self, query, key, value, decode_index, mask=mask, is_causal=is_causal,
+        dropout_rng=dropout_rng, deterministic=deterministic,
+        sow_weights=sow_weights, segment_ids=segment_ids,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths)
     return self.out(x, out_sharding=out_sharding)
