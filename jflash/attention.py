@@ -126,15 +126,9 @@ def _window_side(x: Any) -> int:
   return int(value)
 
 
-def _canonical_window(local_window_size: Any, q_len: int,
-                      kv_len: int) -> tuple[int, int] | None:
-  """``(left, right)``, each side clamped to the sequence it can reach.
-
-  A side at or beyond the sequence lengths (``left >= T``, ``right >= S``,
-  say ``2**40`` for "unbounded") hides nothing on that side, so it is
-  replaced by ``T`` or ``S``: the same visibility with a value every
-  backend's int32 position arithmetic holds.
-  """
+def _canonical_window(local_window_size: Any) -> tuple[int, int] | None:
+  """``(left, right)`` as Python ints of any size (:class:`AttentionMask`
+  stores a side wider than the sequences as the sequence length)."""
   if local_window_size is None:
     return None
   if _is_traced(local_window_size):
@@ -166,7 +160,7 @@ def _canonical_window(local_window_size: Any, q_len: int,
   if min(left, right) < 0:
     raise ValueError("local_window_size must be non-negative, got "
                      f"{local_window_size!r}")
-  return min(left, q_len), min(right, kv_len)
+  return left, right
 
 
 def _canonical_lengths(x: Any, name: str, batch: int,
@@ -425,7 +419,7 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                                          unbatched)
   attention_mask = AttentionMask(
       batch=batch, q_len=q_len, kv_len=kv_len, is_causal=is_causal,
-      window=_canonical_window(local_window_size, q_len, kv_len),
+      window=_canonical_window(local_window_size),
       q_lengths=_canonical_lengths(query_seq_lengths, "query_seq_lengths",
                                    batch, q_len),
       kv_lengths=_canonical_lengths(key_value_seq_lengths,
