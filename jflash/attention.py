@@ -607,9 +607,10 @@ def selected_implementation(
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, return_residual=return_residual,
         interpret=interpret)
-    backends = _requested_backends(implementation)
-    chosen.append(_EMPTY_RESULT_BACKEND if _is_empty(call)
-                  else _dispatch(call, backends)[2])
+    if _is_empty(call):
+      chosen.append(_EMPTY_RESULT_BACKEND)
+      return 0
+    chosen.append(_dispatch(call, _requested_backends(implementation))[2])
     return 0
 
   jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,
