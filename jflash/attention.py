@@ -489,10 +489,12 @@ def dot_product_attention(
       (their output is zero).
     key_value_seq_lengths: int ``[B]``; keys at or past the length are hidden.
     local_window_size: ``(left, right)`` or one int for both: query ``t``
-      sees keys ``t - left .. t + right``.
+      sees keys ``t - left .. t + right``.  Any non-negative ints (a side
+      past the sequence hides nothing on that side).
     segment_ids: packed documents: int ``[B, T]`` for self-attention, or a
       pair ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; a query sees
-      only keys with the same id.
+      only keys with the same id.  Any integer dtype; ids are compared
+      exactly (64-bit ids are renumbered, never truncated).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
     implementation: ``None`` (the best backend for the platform; always
