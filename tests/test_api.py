@@ -392,3 +392,24 @@ def test_bias_gradient_of_vmapped_self_attention_matches_jax_nn(batch):
       *a, implementation="xla")))()
   for g, w in zip(got, want):
     assert rel_err(g, w) < 2e-5
+
+
+def test_int32_segment_ids_are_used_as_given():
+  """int32 ids reach the mask unchanged with no extra operation; only
+  64-bit ids are ranked."""
+  from jflash.attention import _canonicalize
+  q, k, v = _qkv(_rng(), t=16, s=16)
+
+  def canonical_ids(ids):
+    call, _ = _canonicalize(
+        q, k, v, None, None, scale=None, is_causal=False,
+        query_seq_lengths=None, key_value_seq_lengths=None,
+        local_window_size=None, segment_ids=ids, logits_soft_cap=None)
+    return call.mask.q_segment_ids
+
+  ids = jnp.asarray(random_segments(_rng(), 2, 16))
+  jaxpr = jax.make_jaxpr(canonical_ids)(ids)
+  assert not jaxpr.eqns and jaxpr.jaxpr.outvars == jaxpr.jaxpr.invars
+  with jax.enable_x64(True):
+    jaxpr = jax.make_jaxpr(canonical_ids)(ids.astype(jnp.int64))
+  assert "sort" in str(jaxpr)
