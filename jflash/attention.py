@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jflash.backends import BACKENDS, default_order
 from jflash.backends.base import AttentionCall, Backend
@@ -18,6 +20,7 @@ Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+_INT32 = np.iinfo(np.int32)
 
 
 def _describe(x: Any) -> str:
@@ -28,10 +31,26 @@ def _describe(x: Any) -> str:
   return f"shape {tuple(shape)} dtype {dtype}"
 
 
+def _is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
 def _as_array(x: Any, name: str) -> Array:
   try:
     return jnp.asarray(x)
   except TypeError as err:
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}") from err
+
+
+def _as_host_or_device(x: Any, name: str) -> Array | np.ndarray:
+  """A JAX array stays one (it may be traced); anything else becomes a NumPy
+  array, so that 64-bit integers keep their values whatever
+  ``jax_enable_x64`` says."""
+  if isinstance(x, jax.Array):
+    return x
+  try:
+    return np.asarray(x)
+  except (TypeError, ValueError) as err:
     raise ValueError(f"{name} must be an array, got {type(x).__name__}") from err
 
 
@@ -41,9 +60,19 @@ def _check_floating(x: Array, name: str) -> None:
                      f"float32 or float64), got {_describe(x)}")
 
 
-def _check_integer(x: Array, name: str) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.integer):
+def _check_integer(x: Array | np.ndarray, name: str) -> None:
+  if not np.issubdtype(x.dtype, np.integer):
     raise ValueError(f"{name} must have an integer dtype, got {_describe(x)}")
+
+
+def _fits_int32(dtype) -> bool:
+  """Every value of ``dtype`` is an int32 value."""
+  return np.can_cast(dtype, np.int32, casting="safe")
+
+
+def _host_fits_int32(x: np.ndarray) -> bool:
+  return x.size == 0 or (int(x.min()) >= _INT32.min
+                         and int(x.max()) <= _INT32.max)
 
 
 def _to_4d(x: Array, name: str) -> Array:
@@ -53,22 +82,180 @@ def _to_4d(x: Array, name: str) -> Array:
   return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _check_broadcastable(x: Array, name: str, target: tuple[int, ...]) -> None:
+def _check_broadcastable(x: Array, given: Array, name: str,
+                         target: tuple[int, ...]) -> None:
+  """``x`` is ``given`` with leading axes of size 1 added; the message shows
+  what the caller passed."""
   for size, want in zip(x.shape, target):
     if size not in (1, want):
       raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = "
-                       f"{list(target)}, got {_describe(x)}")
+                       f"{list(target)} (missing leading axes count as size "
+                       f"1), got {_describe(given)}")
 
 
-def _canonical_lengths(x: Any, name: str, batch: int) -> Array | None:
+def _concrete_scalar(x: Any, name: str, expected: str) -> Any:
+  """A Python or NumPy scalar, or a concrete 0-d array, as a NumPy scalar."""
+  if _is_traced(x):
+    raise ValueError(f"{name} must be {expected} known at trace time (it "
+                     f"selects the computation), got a traced value "
+                     f"{_describe(x)}")
+  if isinstance(x, (bool, int, float, np.generic)):
+    return np.asarray(x)[()]
+  if isinstance(x, (np.ndarray, jax.Array)) and x.shape == ():
+    return np.asarray(x)[()]
+  raise ValueError(f"{name} must be {expected}, got {_describe(x)}")
+
+
+def _bool_flag(x: Any, name: str) -> bool:
+  """A concrete bool-like value: a bool, 0 or 1, or a 0-d bool or integer
+  array holding one of those."""
+  value = _concrete_scalar(x, name, "a bool")
+  if (isinstance(value, (np.bool_, np.integer))
+      and int(value) in (0, 1)):
+    return bool(value)
+  raise ValueError(f"{name} must be a bool (or 0 or 1), got {x!r}")
+
+
+def _window_side(x: Any) -> int:
+  if isinstance(x, int) and not isinstance(x, bool):
+    return x  # any size
+  value = _concrete_scalar(x, "local_window_size", "an int or a pair of ints")
+  if not isinstance(value, np.integer):
+    raise ValueError("local_window_size must be an int or a pair of ints "
+                     f"(left, right), got {x!r}")
+  return int(value)
+
+
+def _canonical_window(local_window_size: Any) -> tuple[int, int] | None:
+  """``(left, right)`` as Python ints of any size (:class:`AttentionMask`
+  stores a side wider than the sequences as the sequence length)."""
+  if local_window_size is None:
+    return None
+  if _is_traced(local_window_size):
+    raise ValueError("local_window_size must be known at trace time (it "
+                     "shapes the computation), got a traced value "
+                     f"{_describe(local_window_size)}")
+  if isinstance(local_window_size, (bool, np.bool_)):
+    raise ValueError("local_window_size must be an int or a pair of ints "
+                     f"(left, right), got {local_window_size!r}")
+  sides = local_window_size
+  if isinstance(sides, (np.ndarray, jax.Array)):
+    if sides.shape == ():
+      sides = (sides, sides)
+    elif sides.shape == (2,):
+      sides = tuple(np.asarray(sides))
+    else:
+      raise ValueError("local_window_size must be an int or a pair of ints "
+                       f"(left, right), got {_describe(local_window_size)}")
+  elif isinstance(sides, (tuple, list)):
+    if len(sides) != 2:
+      raise ValueError("local_window_size must be an int or a pair of ints "
+                       f"(left, right), got {local_window_size!r}")
+  else:
+    sides = (sides, sides)
+  if any(isinstance(w, (bool, np.bool_)) for w in sides):
+    raise ValueError("local_window_size must be an int or a pair of ints "
+                     f"(left, right), got {local_window_size!r}")
+  left, right = (_window_side(w) for w in sides)
+  if min(left, right) < 0:
+    raise ValueError("local_window_size must be non-negative, got "
+                     f"{local_window_size!r}")
+  return left, right
+
+
+def _canonical_lengths(x: Any, name: str, batch: int,
+                       bound: int) -> Array | None:
+  """int32 ``[B]``.  Lengths of a wider type are clamped to ``[0, bound]``
+  (the sequence length) first: the same rule, with values int32 holds."""
   if x is None:
     return None
-  x = _as_array(x, name)
+  x = _as_host_or_device(x, name)
   _check_integer(x, name)
   if x.shape != (batch,):
     raise ValueError(f"{name} must have shape [B] = ({batch},), got "
                      f"{_describe(x)}")
-  return x.astype(jnp.int32)
+  if _fits_int32(x.dtype):
+    return jnp.asarray(x).astype(jnp.int32)
+  if isinstance(x, np.ndarray):
+    return jnp.asarray(np.clip(x, 0, bound).astype(np.int32))
+  return jnp.clip(x, 0, bound).astype(jnp.int32)
+
+
+def _dense_ranks(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
+  """Each batch row's ids replaced by their rank among that row's distinct
+  query and key ids: int32, equal exactly where the inputs are equal (and
+  in the same order)."""
+  q_len = q_ids.shape[1]
+  ids = jnp.concatenate([q_ids, kv_ids], axis=1)
+  position = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+  ordered, perm = lax.sort((ids, position), dimension=1, num_keys=1)
+  steps = (ordered[:, 1:] != ordered[:, :-1]).astype(jnp.int32)
+  rank = jnp.concatenate([jnp.zeros_like(steps[:, :1]),
+                          jnp.cumsum(steps, axis=1)], axis=1)
+  _, rank = lax.sort((perm, rank), dimension=1, num_keys=1)
+  return rank[:, :q_len], rank[:, q_len:]
+
+
+def _host_ranks(q_ids: np.ndarray,
+                kv_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Host version of :func:`_dense_ranks` over all rows at once."""
+  if np.result_type(q_ids, kv_ids).kind == "f":  # int64 with uint64
+    q_ids, kv_ids = q_ids.astype(object), kv_ids.astype(object)
+  _, rank = np.unique(np.concatenate([q_ids.ravel(), kv_ids.ravel()]),
+                      return_inverse=True)
+  rank = rank.astype(np.int32)
+  return (rank[:q_ids.size].reshape(q_ids.shape),
+          rank[q_ids.size:].reshape(kv_ids.shape))
+
+
+def _int32_segment_ids(q_ids, kv_ids, batch: int) -> tuple[Array, Array]:
+  """Segment ids as int32 with exactly the same equalities between query and
+  key ids of each batch row (the only thing segment ids mean).
+
+  int32 and narrower ids are converted as before.  Wider ids are renumbered:
+  on the host when both are NumPy arrays (or a NumPy array and a concrete
+  JAX array), else by ranking each row's ids on the device.
+  """
+  host = [isinstance(x, np.ndarray) for x in (q_ids, kv_ids)]
+  if all(host):
+    if _host_fits_int32(q_ids) and _host_fits_int32(kv_ids):
+      return (jnp.asarray(q_ids.astype(np.int32)),
+              jnp.asarray(kv_ids.astype(np.int32)))
+    q_ids, kv_ids = _host_ranks(q_ids, kv_ids)
+    return jnp.asarray(q_ids), jnp.asarray(kv_ids)
+  if any(host):
+    device = kv_ids if host[0] else q_ids
+    given = q_ids if host[0] else kv_ids
+    if _host_fits_int32(given):
+      given = jnp.asarray(given.astype(np.int32))
+    elif jax.config.jax_enable_x64:
+      given = jnp.asarray(given)
+    elif not _is_traced(device):
+      return _int32_segment_ids(*(np.asarray(x) if isinstance(x, jax.Array)
+                                  else x for x in (q_ids, kv_ids)), batch)
+    else:
+      raise ValueError(
+          "segment_ids: NumPy ids beyond the int32 range cannot be compared "
+          "exactly with traced ids without jax_enable_x64; pass both as "
+          f"NumPy arrays or both as JAX arrays (got {_describe(q_ids)} and "
+          f"{_describe(kv_ids)})")
+    q_ids, kv_ids = (given, device) if host[0] else (device, given)
+  if _fits_int32(q_ids.dtype) and _fits_int32(kv_ids.dtype):
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  if q_ids.dtype == kv_ids.dtype == jnp.uint32:
+    # A bijection of uint32 onto int32 keeps every equality.
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  common = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+  if (not jnp.issubdtype(common, jnp.integer)
+      or (common.itemsize == 8 and not jax.config.jax_enable_x64)):
+    raise ValueError(
+        f"segment_ids: query ids of dtype {q_ids.dtype} and key ids of dtype "
+        f"{kv_ids.dtype} have no common integer dtype to compare them in; "
+        "pass both with one dtype")
+  if q_ids.shape[1] == 0 or kv_ids.shape[1] == 0:
+    return (jnp.zeros(q_ids.shape, jnp.int32),
+            jnp.zeros(kv_ids.shape, jnp.int32))
+  return _dense_ranks(q_ids.astype(common), kv_ids.astype(common))
 
 
 def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
@@ -91,7 +278,7 @@ def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
   for ids, name, length in ((q_ids, "q_segment_ids", q_len),
                             (kv_ids, "kv_segment_ids", kv_len)):
     label = f"segment_ids ({name})"
-    ids = _as_array(ids, label)
+    ids = _as_host_or_device(ids, label)
     _check_integer(ids, label)
     want = (length,) if unbatched else (batch, length)
     if unbatched and ids.shape == (1, length):
@@ -101,31 +288,14 @@ def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
       layout = layout if unbatched else layout.replace("[", "[B, ")
       raise ValueError(f"{label} must have shape {layout} = {want}, got "
                        f"{_describe(ids)}")
-    result.append(ids.reshape(batch, length).astype(jnp.int32))
-  return tuple(result)
+    result.append(ids.reshape(batch, length))
+  return _int32_segment_ids(*result, batch)
 
 
-def _canonical_window(local_window_size: Any) -> tuple[int, int] | None:
-  if local_window_size is None:
-    return None
-  if isinstance(local_window_size, (int, np.integer)) and not isinstance(
-      local_window_size, bool):
-    window = (int(local_window_size), int(local_window_size))
-  elif (isinstance(local_window_size, (tuple, list))
-        and len(local_window_size) == 2
-        and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
-                for w in local_window_size)):
-    window = (int(local_window_size[0]), int(local_window_size[1]))
-  else:
-    raise ValueError("local_window_size must be an int or a pair of ints "
-                     f"(left, right), got {local_window_size!r}")
-  if min(window) < 0:
-    raise ValueError("local_window_size must be non-negative, got "
-                     f"{local_window_size!r}")
-  return window
-
-
-def _concrete_float(x: Any, name: str) -> float:
+def _concrete_float(x: Any, name: str, dtype) -> float:
+  """A Python number for a constant of the computation in ``dtype``: finite
+  there, with room for the constants backends derive from it (such as
+  ``scale * log2(e)``)."""
   try:
     value = float(x)
   except (TypeError, jax.errors.ConcretizationTypeError) as err:
@@ -133,6 +303,11 @@ def _concrete_float(x: Any, name: str) -> float:
                      f"compiled kernel), got {_describe(x)}") from err
   if not math.isfinite(value):
     raise ValueError(f"{name} must be finite, got {value}")
+  limit = float(np.finfo(dtype).max) / 2
+  if abs(value) > limit:
+    raise ValueError(f"{name} must be at most {limit:.3g} in magnitude (half "
+                     f"the largest {np.dtype(dtype).name}, the dtype the "
+                     f"attention computes in), got {value!r}")
   return value
 
 
@@ -200,45 +375,58 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                      f"{key.shape[3]} (query {_describe(query)}, key "
                      f"{_describe(key)})")
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  if num_kv_heads == 0 or num_heads % num_kv_heads:
+  if (num_kv_heads == 0 and num_heads) or (num_kv_heads
+                                            and num_heads % num_kv_heads):
     raise ValueError(f"query heads N={num_heads} must be a multiple of key/"
                      f"value heads K={num_kv_heads}")
   target = (batch, num_heads, q_len, kv_len)
 
   if bias is not None:
-    bias = _to_4d(_as_array(bias, "bias"), "bias")
+    given = _as_array(bias, "bias")
+    bias = _to_4d(given, "bias")
     _check_floating(bias, "bias")
-    _check_broadcastable(bias, "bias", target)
+    _check_broadcastable(bias, given, "bias", target)
   if mask is not None:
-    mask = _to_4d(_as_array(mask, "mask"), "mask")
+    given = _as_array(mask, "mask")
+    mask = _to_4d(given, "mask")
     if mask.dtype != jnp.bool_:
       raise ValueError("mask must be boolean (True = attend); pass an additive "
                        f"mask as bias, or use mask.astype(bool); got "
-                       f"{_describe(mask)}")
-    _check_broadcastable(mask, "mask", target)
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-  scale_value = (1.0 / math.sqrt(head_dim) if scale is None
-                 else _concrete_float(scale, "scale"))
+                       f"{_describe(given)}")
+    _check_broadcastable(mask, given, "mask", target)
+  is_causal = _bool_flag(is_causal, "is_causal")
+  # The dtype the softmax runs in: scale and cap must be finite there.
+  compute_dtype = np.dtype(jnp.promote_types(query.dtype, jnp.float32))
+  if scale is not None:
+    scale_value = _concrete_float(scale, "scale", compute_dtype)
+  else:
+    # With H == 0 every logit is 0 (plus bias) whatever the scale.
+    scale_value = 1.0 / math.sqrt(head_dim) if head_dim else 1.0
   cap = None
   if logits_soft_cap is not None:
-    cap = _concrete_float(logits_soft_cap, "logits_soft_cap")
-    if cap <= 0:
-      raise ValueError(f"logits_soft_cap must be positive, got {cap}")
+    cap = _concrete_float(logits_soft_cap, "logits_soft_cap", compute_dtype)
+    smallest = float(np.finfo(compute_dtype).tiny)
+    if cap < smallest:
+      raise ValueError(f"logits_soft_cap must be positive and at least "
+                       f"{smallest:.3g} (the smallest normal "
+                       f"{compute_dtype.name}), got {cap!r}")
+    if abs(scale_value) / cap > float(np.finfo(compute_dtype).max) / 2:
+      # Backends fold scale / cap into one constant.
+      raise ValueError(f"scale / logits_soft_cap = {scale_value!r} / {cap!r} "
+                       f"overflows {compute_dtype.name}; raise "
+                       "logits_soft_cap or lower scale")
   q_ids, kv_ids = _canonical_segment_ids(segment_ids, batch, q_len, kv_len,
                                          unbatched)
   attention_mask = AttentionMask(
-      batch=batch, q_len=q_len, kv_len=kv_len, is_causal=bool(is_causal),
+      batch=batch, q_len=q_len, kv_len=kv_len, is_causal=is_causal,
       window=_canonical_window(local_window_size),
       q_lengths=_canonical_lengths(query_seq_lengths, "query_seq_lengths",
-                                   batch),
+                                   batch, q_len),
       kv_lengths=_canonical_lengths(key_value_seq_lengths,
-                                    "key_value_seq_lengths", batch),
+                                    "key_value_seq_lengths", batch, kv_len),
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask)
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise ValueError(f"return_residual must be a bool, got {return_residual!r}")
-  if not isinstance(interpret, (bool, np.bool_)):
-    raise ValueError(f"interpret must be a bool, got {interpret!r}")
+  return_residual = _bool_flag(return_residual, "return_residual")
+  interpret = _bool_flag(interpret, "interpret")
   call = AttentionCall(query, key, value, bias, attention_mask,
                        scale=scale_value, logits_soft_cap=cap,
                        returns_residual=bool(return_residual),
@@ -301,10 +489,12 @@ def dot_product_attention(
       (their output is zero).
     key_value_seq_lengths: int ``[B]``; keys at or past the length are hidden.
     local_window_size: ``(left, right)`` or one int for both: query ``t``
-      sees keys ``t - left .. t + right``.
+      sees keys ``t - left .. t + right``.  Any non-negative ints (a side
+      past the sequence hides nothing on that side).
     segment_ids: packed documents: int ``[B, T]`` for self-attention, or a
       pair ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; a query sees
-      only keys with the same id.
+      only keys with the same id.  Any integer dtype; ids are compared
+      exactly (64-bit ids are renumbered, never truncated).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
     implementation: ``None`` (the best backend for the platform; always
@@ -343,7 +533,7 @@ def dot_product_attention(
       logits_soft_cap=logits_soft_cap, return_residual=return_residual,
       interpret=interpret)
   backends = _requested_backends(implementation)
-  if call.mask.q_len == 0 or call.mask.kv_len == 0:
+  if _is_empty(call):
     out, lse = _empty_result(call)
   else:
     out, lse, _ = _dispatch(call, backends)
@@ -354,10 +544,37 @@ def dot_product_attention(
   return out
 
 
+def _is_empty(call: AttentionCall) -> bool:
+  """Whether any axis of the call is empty (``B, T, S, N`` or ``H`` is 0).
+
+  Such calls are answered by :func:`_empty_result`, not by a backend."""
+  return 0 in call.query.shape or call.key.shape[1] == 0
+
+
+_EMPTY_RESULT_BACKEND = "xla"
+"""The name :func:`selected_implementation` gives for calls with an empty
+axis (they are computed by plain XLA operations)."""
+
+
 def _empty_result(call: AttentionCall) -> tuple[Array, Array]:
-  """T == 0 or S == 0: nothing to attend to."""
+  """The result of a call with an empty axis, as the reference defines it.
+
+  With ``B``, ``T``, ``S`` or ``N`` empty, no query sees a key (or there is
+  no query): zeros and a logsumexp of ``-inf``.  With only ``H == 0`` every
+  logit is ``0 + bias``: the output is empty but the logsumexp (and the
+  bias gradient through it) is not; the ``xla`` backend computes it with
+  one zero column added to the query, key and value (exact: it adds 0 to
+  every logit).
+  """
   q = call.query
-  return jnp.zeros_like(q), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+  if 0 in q.shape[:3] or call.key.shape[1] == 0:
+    return jnp.zeros_like(q), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+  widths = ((0, 0), (0, 0), (0, 0), (0, 1))
+  padded = dataclasses.replace(
+      call, query=jnp.pad(q, widths), key=jnp.pad(call.key, widths),
+      value=jnp.pad(call.value, widths))
+  out, lse = BACKENDS[_EMPTY_RESULT_BACKEND](padded)
+  return out[..., :0], lse
 
 
 def selected_implementation(
@@ -392,6 +609,9 @@ def selected_implementation(
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, return_residual=return_residual,
         interpret=interpret)
+    if _is_empty(call):
+      chosen.append(_EMPTY_RESULT_BACKEND)
+      return 0
     chosen.append(_dispatch(call, _requested_backends(implementation))[2])
     return 0
 

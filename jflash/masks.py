@@ -104,7 +104,9 @@ class AttentionMask:
     kv_len: ``S``, the key/value sequence length.
     is_causal: keys after the query position are hidden (top-left aligned).
     window: ``(left, right)``: query ``t`` sees keys ``t - left .. t + right``;
-      ``None`` for no window.
+      ``None`` for no window.  Any non-negative ints; a side past the
+      sequence it reaches is stored as ``T`` (left) or ``S`` (right), which
+      hides the same keys.
 
   Array fields (``None`` when absent):
     q_lengths: ``[B]`` int32, queries at or past it see nothing.
@@ -131,6 +133,12 @@ class AttentionMask:
       left, right = self.window
       if left < 0 or right < 0:
         raise ValueError(f"window must be non-negative, got {self.window}")
+      # A side at or beyond the sequence it reaches hides nothing on that
+      # side (t - left < 0 <= s, s < S <= t + right); storing T or S keeps
+      # the same mask within every backend's int32 position arithmetic.
+      window = (min(int(left), self.q_len), min(int(right), self.kv_len))
+      if window != self.window:
+        object.__setattr__(self, "window", window)
     if (self.q_segment_ids is None) != (self.kv_segment_ids is None):
       raise ValueError("q_segment_ids and kv_segment_ids go together")
 

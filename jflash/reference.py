@@ -53,14 +53,14 @@ def reference_attention(
   q = q.reshape(batch, q_len, num_kv_heads, groups, head_dim)
   logits = jnp.einsum("btkgh,bskh->bkgts", q, k,
                       precision=lax.Precision.HIGHEST) * scale
-  logits = logits.reshape(batch, num_heads, q_len, -1)
+  logits = logits.reshape(batch, num_heads, q_len, k.shape[1])
   if bias is not None:
     logits = logits + bias.astype(compute_dtype)
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   visible = mask.visibility()
   logits = jnp.where(visible, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
   row_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
   weights = jnp.exp(logits - row_max)
   total = jnp.sum(weights, axis=-1, keepdims=True)

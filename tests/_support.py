@@ -29,6 +29,12 @@ class Case:
   bias: jax.Array | None = None
   mask: jax.Array | None = None
   kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Arguments of the same problem written another way for the reference
+  # (``kwargs`` and ``mask`` when None): for inputs whose meaning the test
+  # states independently, such as a window wider than the sequences given
+  # to the reference as the equivalent dense mask.
+  reference_kwargs: dict[str, Any] | None = None
+  reference_mask: jax.Array | None = None
 
   @property
   def arrays(self):
@@ -39,10 +45,13 @@ class Case:
                                         **self.kwargs, **extra)
 
   def canonical(self, q, k, v, bias):
-    kw = {n: self.kwargs.get(n) for n in MASK_ARGS + ("scale",
-                                                      "logits_soft_cap")}
+    """The canonical call of the reference's arguments."""
+    kwargs, mask = self.kwargs, self.mask
+    if self.reference_kwargs is not None:
+      kwargs, mask = self.reference_kwargs, self.reference_mask
+    kw = {n: kwargs.get(n) for n in MASK_ARGS + ("scale", "logits_soft_cap")}
     kw["is_causal"] = kw["is_causal"] or False
-    return _canonicalize(q, k, v, bias, self.mask, **kw)
+    return _canonicalize(q, k, v, bias, mask, **kw)
 
   def call_reference(self, q, k, v, bias, compute_dtype=None, jit=True):
     """(out, lse) of the exact reference, in the input layout."""

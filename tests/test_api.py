@@ -9,7 +9,8 @@ import pytest
 
 import jflash
 from jflash.backends import XlaBackend, XlaConfig
-from tests._support import fresh_rng, random_normal, random_qkv, rel_err
+from tests._support import (Case, fresh_rng, random_normal, random_qkv,
+                            random_segments, rel_err)
 
 
 _rng = fresh_rng
@@ -60,7 +61,21 @@ def _bad_inputs():
   yield "implementation", dict(implementation="flash"), r"unknown backend"
   yield "implementation empty", dict(implementation=[]), r"implementation"
   yield "implementation type", dict(implementation=3), r"implementation"
-  yield "residual", dict(return_residual=1), r"return_residual"
+  yield "residual", dict(return_residual=2), r"return_residual"
+  yield "causal int", dict(is_causal=2), r"is_causal"
+  yield "causal array", dict(is_causal=np.array([True, False])), r"is_causal"
+  yield "window array shape", dict(local_window_size=np.array([1, 2, 3])), \
+      r"local_window_size"
+  yield "window bool", dict(local_window_size=True), r"local_window_size"
+  yield "window float array", dict(local_window_size=np.array([1.0, 2.0])), \
+      r"local_window_size"
+  yield "soft cap past float32", dict(logits_soft_cap=1e39), \
+      r"logits_soft_cap"
+  yield "soft cap below float32", dict(logits_soft_cap=1e-45), \
+      r"logits_soft_cap"
+  yield "scale past float32", dict(scale=1e39), r"scale"
+  yield "scale over soft cap", dict(scale=1e20, logits_soft_cap=1e-20), \
+      r"scale / logits_soft_cap"
   yield "interpret", dict(interpret="yes"), r"interpret must be a bool"
 
 
@@ -79,6 +94,28 @@ def test_traced_scale_is_rejected():
   q, k, v = _qkv(_rng())
   with pytest.raises(ValueError, match="scale must be a Python number"):
     jax.jit(lambda s: jflash.dot_product_attention(q, k, v, scale=s))(0.5)
+
+
+@pytest.mark.parametrize("name", ["mask", "bias"])
+def test_broadcast_error_shows_the_shape_passed(name):
+  """The message shows the array as passed, not with the leading axes of
+  size 1 that canonicalization adds."""
+  q, k, v = _qkv(_rng())
+  given = jnp.ones((3, 12, 12), bool if name == "mask" else jnp.float32)
+  with pytest.raises(ValueError) as info:
+    jflash.dot_product_attention(q, k, v, **{name: given})
+  message = str(info.value)
+  assert message.startswith(name) and "shape (3, 12, 12)" in message
+  assert "(1, 3, 12, 12)" not in message and "leading axes" in message
+
+
+@pytest.mark.parametrize("flag", ["is_causal", "local_window_size"])
+def test_traced_structural_arguments_are_rejected_by_name(flag):
+  q, k, v = _qkv(_rng())
+  value = jnp.asarray(True) if flag == "is_causal" else jnp.asarray([2, 0])
+  with pytest.raises(ValueError, match=f"{flag} must be .*traced"):
+    jax.jit(lambda x: jflash.dot_product_attention(q, k, v, **{flag: x}))(
+        value)
 
 
 def test_error_message_shows_received_shapes():
@@ -178,7 +215,59 @@ def test_empty_sequences():
   assert not np.asarray(g).any()
 
 
+def test_empty_axes_match_jax_nn_shapes():
+  """Batch, query length and heads of size 0 give the empty arrays jax.nn
+  gives, forward and backward (values: the conformance suite)."""
+  rng = _rng()
+  for b, t, s, n in ((0, 8, 8, 2), (2, 0, 8, 2), (2, 8, 8, 0)):
+    q = random_normal(rng, (b, t, n, 16), jnp.float32)
+    k = v = random_normal(rng, (b, s, 1, 16), jnp.float32)
+    for fn in (jflash.dot_product_attention, jax.nn.dot_product_attention):
+      out, lse = fn(q, k, v, is_causal=True, return_residual=True)
+      grads = jax.grad(lambda *a: fn(*a).sum(), (0, 1, 2))(q, k, v)
+      assert out.shape == q.shape and lse.shape == q.shape[:-1]
+      assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert jflash.selected_implementation(q, k, v) == "xla"
+
+
+def test_traced_64_bit_segment_ids():
+  """Traced int64 ids (x64) keep ids that differ only above bit 31 apart:
+  the result equals the reference on the small ids they stand for."""
+  rng = _rng()
+  q, k, v = _qkv(rng, t=24, s=24)
+  small = jnp.asarray(random_segments(rng, 2, 24))
+  with jax.enable_x64(True):
+    wide = (jnp.asarray(small, jnp.int64) * 2**32 + 9) * (-1) ** small
+    fn = jax.jit(lambda q, ids: jflash.dot_product_attention(
+        q, k, v, segment_ids=ids, is_causal=True))
+    got = fn(q, wide)
+  want, _ = Case(q, k, v, kwargs=dict(segment_ids=small, is_causal=True)
+                 ).call_reference(q, k, v, None)
+  assert rel_err(got, want) < 1e-5
+
+
 # ---------------------------------------------------------- jax.nn parity
+def _bool_and_int_like():
+  yield "causal array", dict(is_causal=jnp.array(True)), {}
+  yield "causal numpy", dict(is_causal=np.bool_(True)), {}
+  yield "causal int", dict(is_causal=1), {}
+  yield "residual int", dict(is_causal=True), dict(return_residual=1)
+  yield "window numpy", dict(local_window_size=np.array([2, 0])), {}
+  yield "window jax", dict(local_window_size=jnp.array([3, 1])), {}
+
+
+@pytest.mark.parametrize("name,kwargs,extra", list(_bool_and_int_like()),
+                         ids=[c[0] for c in _bool_and_int_like()])
+def test_bool_and_int_like_arguments_match_jax_nn(name, kwargs, extra):
+  """Concrete bool-like and int-like values jax.nn takes mean the same."""
+  q, k, v = _qkv(_rng())
+  ours = jflash.dot_product_attention(q, k, v, **kwargs, **extra)
+  theirs = jax.nn.dot_product_attention(q, k, v, **kwargs, **extra,
+                                        implementation="xla")
+  if extra:
+    assert isinstance(ours, tuple) and isinstance(theirs, tuple)
+    ours, theirs = ours[0], theirs[0]
+  assert rel_err(ours, theirs) < 1e-5
 def _jax_nn_cases():
   yield "plain", {}, False, False
   yield "causal", dict(is_causal=True), False, False
@@ -190,6 +279,12 @@ def _jax_nn_cases():
   yield "scale", dict(scale=0.37), False, False
   yield "bias", {}, True, False
   yield "mask", {}, False, True
+  yield "tril mask", {}, False, "tril"
+  yield "causal lengths", "causal lengths", False, False
+  yield "tril mask lengths", "lengths", False, "tril"
+  yield "bias causal", dict(is_causal=True), True, False
+  yield "causal window right", dict(is_causal=True, local_window_size=(3, 2)), \
+      False, False
   yield "everything", "everything", True, True
 
 
@@ -199,13 +294,19 @@ def _jax_nn_cases():
 def test_matches_jax_nn(name, kwargs, use_bias, use_mask, t, s):
   rng = _rng()
   q, k, v = _qkv(rng, t=t, s=s)
-  if kwargs in ("lengths", "everything"):
+  if kwargs in ("lengths", "causal lengths", "everything"):
     kwargs = dict(query_seq_lengths=jnp.asarray([t, t // 2], jnp.int32),
                   key_value_seq_lengths=jnp.asarray([s, s // 3 + 1], jnp.int32))
     if name == "everything":
       kwargs.update(is_causal=True, local_window_size=(6, 1), scale=0.3)
+    if name == "causal lengths":
+      kwargs.update(is_causal=True)
   bias = random_normal(rng, (1, 4, t, s), jnp.float32) if use_bias else None
-  mask = jnp.asarray(rng.random((2, 1, t, s)) < 0.8) if use_mask else None
+  mask = None
+  if use_mask == "tril":  # a causal mask written out, as [1, 1, T, S]
+    mask = jnp.tril(jnp.ones((t, s), bool))[None, None]
+  elif use_mask:
+    mask = jnp.asarray(rng.random((2, 1, t, s)) < 0.8)
   # Rows that see nothing: jax.nn returns an average of the values there,
   # jflash zeros (documented).  Compare the rows that see something.
   live = np.asarray(jax.jit(lambda: jflash.dot_product_attention(
@@ -242,3 +343,73 @@ def test_matches_jax_nn_unbatched():
   theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True)
   assert ours.shape == theirs.shape == q.shape
   assert rel_err(ours, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16],
+                         ids=["bf16", "f16"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_vmapped_grouped_heads_match_jax_nn_on_repeated_heads(dtype, groups):
+  """``jax.vmap`` over the batch of unbatched ``[T, N, H]`` inputs with N/G
+  key/value heads equals jax.nn on key/value heads repeated G times; the
+  key/value gradients are the repeated heads' gradients summed."""
+  rng = _rng()
+  b, t, n, h = 2, 40, 4, 32
+  q, k, v = _qkv(rng, b=b, t=t, s=t, n=n, k=n // groups, h=h, dtype=dtype)
+  cot = random_normal(rng, q.shape, dtype)
+  ours = jax.vmap(lambda q, k, v: jflash.dot_product_attention(q, k, v))
+  out, vjp = jax.vjp(ours, q, k, v)
+  dq, dk, dv = vjp(cot)
+  repeat = lambda x: jnp.repeat(x, groups, axis=2)
+  want, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
+      q, repeat(k), repeat(v), implementation="xla"), q, k, v)
+  wq, wk, wv = vjp(cot)
+  tol = 2e-2  # both sides round to the input dtype
+  for got, ref in ((out, want), (dq, wq), (dk, wk), (dv, wv)):
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert rel_err(got, ref) < tol
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bias_gradient_of_vmapped_self_attention_matches_jax_nn(batch):
+  """Self-attention (one array as query, key and value), a full ``[B, N, S,
+  S]`` bias and a ``[1, 1, S]`` mask held fixed under ``jax.vmap``: the
+  output and every gradient, the bias's included, equal jax.nn's."""
+  rng = _rng()
+  s, n, h = 48, 4, 32
+  x = random_normal(rng, (batch, s, n, h), jnp.float32)
+  bias = random_normal(rng, (batch, n, s, s), jnp.float32)
+  mask = jnp.asarray(rng.random((1, 1, s)) < 0.8).at[..., 0].set(True)
+  cot = random_normal(rng, x.shape, jnp.float32)
+
+  def run(fn):
+    attend = jax.vmap(lambda x, bias, mask: fn(x, x, x, bias, mask),
+                      in_axes=(0, 0, None))
+    out, vjp = jax.vjp(lambda x, bias: attend(x, bias, mask), x, bias)
+    return (out, *vjp(cot))
+
+  got = jax.jit(lambda: run(jflash.dot_product_attention))()
+  want = jax.jit(lambda: run(lambda *a: jax.nn.dot_product_attention(
+      *a, implementation="xla")))()
+  for g, w in zip(got, want):
+    assert rel_err(g, w) < 2e-5
+
+
+def test_int32_segment_ids_are_used_as_given():
+  """int32 ids reach the mask unchanged with no extra operation; only
+  64-bit ids are ranked."""
+  from jflash.attention import _canonicalize
+  q, k, v = _qkv(_rng(), t=16, s=16)
+
+  def canonical_ids(ids):
+    call, _ = _canonicalize(
+        q, k, v, None, None, scale=None, is_causal=False,
+        query_seq_lengths=None, key_value_seq_lengths=None,
+        local_window_size=None, segment_ids=ids, logits_soft_cap=None)
+    return call.mask.q_segment_ids
+
+  ids = jnp.asarray(random_segments(_rng(), 2, 16))
+  jaxpr = jax.make_jaxpr(canonical_ids)(ids)
+  assert not jaxpr.eqns and jaxpr.jaxpr.outvars == jaxpr.jaxpr.invars
+  with jax.enable_x64(True):
+    jaxpr = jax.make_jaxpr(canonical_ids)(ids.astype(jnp.int64))
+  assert "sort" in str(jaxpr)

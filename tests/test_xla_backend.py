@@ -24,6 +24,11 @@ class TestXlaDefaultTiles(conformance.AttentionConformance):
   test_head_groups = None
   test_bias_broadcasting = None
   test_head_dims = None
+  test_windows_wider_than_the_sequences = None
+  test_segment_ids_beyond_int32 = None
+  test_lengths_beyond_int32 = None
+  test_extreme_soft_caps = None
+  test_empty_axes = None
 
 
 class TestXlaFloat32Products(conformance.AttentionConformance):
@@ -37,6 +42,11 @@ class TestXlaFloat32Products(conformance.AttentionConformance):
   test_bias_broadcasting = None
   test_head_dims = None
   test_sequence_lengths = None
+  test_windows_wider_than_the_sequences = None
+  test_segment_ids_beyond_int32 = None
+  test_lengths_beyond_int32 = None
+  test_empty_axes = None
+  test_x64 = None
 
 
 def test_config_rejects_unknown_matmul_inputs():
