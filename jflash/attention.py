@@ -258,11 +258,20 @@ def _int32_segment_ids(q_ids, kv_ids, batch: int) -> tuple[Array, Array]:
   return _dense_ranks(q_ids.astype(common), kv_ids.astype(common))
 
 
+def is_segment_pair(segment_ids: Any) -> bool:
+  """Whether ``segment_ids`` is a pair ``(q_segment_ids, kv_segment_ids)``:
+  a tuple, or a list of two arrays.  Any other list (nested Python numbers)
+  is one array of ids, read as ``np.asarray`` reads it."""
+  return isinstance(segment_ids, tuple) or (
+      isinstance(segment_ids, list) and len(segment_ids) == 2
+      and all(hasattr(e, "shape") for e in segment_ids))
+
+
 def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
                            kv_len: int, unbatched: bool):
   if segment_ids is None:
     return None, None
-  if isinstance(segment_ids, (tuple, list)):
+  if is_segment_pair(segment_ids):
     if len(segment_ids) != 2:
       raise ValueError("segment_ids must be one array [B, T] or a pair "
                        "(q_segment_ids [B, T], kv_segment_ids [B, S]), got a "

@@ -413,3 +413,18 @@ def test_int32_segment_ids_are_used_as_given():
   with jax.enable_x64(True):
     jaxpr = jax.make_jaxpr(canonical_ids)(ids.astype(jnp.int64))
   assert "sort" in str(jaxpr)
+
+
+def test_segment_ids_as_nested_lists():
+  """A list of two arrays is a (q, kv) pair; a nested list of numbers is one
+  array of ids, also when its batch is 2 (the same rule as jflash.flax)."""
+  rng = fresh_rng()
+  q, k, v = random_qkv(rng, b=2, t=8, s=8, n=2, k=2, h=16)
+  ids = random_segments(rng, 2, 8)
+  want, _ = Case(q, k, v, kwargs=dict(segment_ids=jnp.asarray(ids))
+                 ).call_reference(q, k, v, None)
+  as_list = jflash.dot_product_attention(q, k, v, segment_ids=ids.tolist())
+  as_pair = jflash.dot_product_attention(
+      q, k, v, segment_ids=[jnp.asarray(ids), jnp.asarray(ids)])
+  assert rel_err(as_list, want) < 1e-5
+  assert rel_err(as_pair, want) < 1e-5

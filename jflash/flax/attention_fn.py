@@ -62,6 +62,7 @@ from flax import nnx
 from flax.linen.dtypes import promote_dtype
 
 import jflash
+from jflash.attention import is_segment_pair
 
 Array = jax.Array
 
@@ -175,22 +176,13 @@ def _flatten_ids(x: Any, name: str, layout: str,
   return x.reshape((math.prod(batch_shape),) + expected[len(batch_shape):])
 
 
-def _is_segment_pair(segment_ids: Any) -> bool:
-  """A tuple, or a list of two arrays, is ``(q_segment_ids,
-  kv_segment_ids)``; any other list (nested Python numbers) is one array of
-  ids, as ``np.asarray`` reads it."""
-  return isinstance(segment_ids, tuple) or (
-      isinstance(segment_ids, list) and len(segment_ids) == 2
-      and all(hasattr(e, "shape") for e in segment_ids))
-
-
 def _flatten_segment_ids(segment_ids: Any, batch_shape: tuple[int, ...],
                          q_len: int, kv_len: int) -> Any:
   """``[batch..., T]`` or a pair ``([batch..., T], [batch..., S])`` -> the
   same with one flattened batch axis (a pair comes back as a tuple)."""
   if segment_ids is None:
     return None
-  if not _is_segment_pair(segment_ids):
+  if not is_segment_pair(segment_ids):
     if q_len != kv_len:
       raise ValueError(
           "segment_ids as one array [batch..., T] needs T == S (self-"
