@@ -65,6 +65,13 @@ class MosaicTpuBackend:
     return per_shard(call, self._run, self.name)
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
+    batch, q_len, _, _ = call.query.shape
+    if 0 in (batch, q_len, call.key.shape[1]):
+      # An empty grid runs no kernel step, so nothing would write the
+      # outputs: no key is visible, hence zeros and a logsumexp of -inf.
+      q = call.query
+      return (jnp.zeros_like(q),
+              jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
     plan = self.plan(call)
     return ops.attention(call.query, call.key, call.value, call.mask, plan)
 
@@ -76,7 +83,7 @@ class MosaicTpuBackend:
     batch, q_len, _, head_dim = call.query.shape
     kv_len = call.key.shape[1]
     kernel_dtype = jnp.float32 if call.dtype == jnp.float16 else call.dtype
-    head_padded = round_up(head_dim, LANES)
+    head_padded = round_up(max(head_dim, 1), LANES)  # H = 0 takes 1 block
     gen = generation_of(target_device()[1])
     block_q, block_kv, vmem_limit = self.config.resolve(
         gen, head_padded, jnp.dtype(kernel_dtype).itemsize,

@@ -93,7 +93,7 @@ def _dq_kernel(*refs, plan: Plan):
     if visible is not None:
       # Hidden pairs contribute exactly 0, whatever lies past the sequence
       # ends (rows of dO, the statistics, and V there are unspecified).
-      ds = jnp.where(visible, ds, 0.0)
+      ds = jnp.where(visible, ds, jnp.float32(0))
     r["acc"][...] += lax.dot_general(
         ds.astype(k.dtype), k, common.NN_DIMS,
         precision=common.precision_for(k.dtype),
@@ -142,7 +142,8 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
         do = common.zero_rows_past(do, q_start, plan.rules.q_len)
     p = jnp.exp(s - r["lse"][...])  # lse row [1, bq]
     if visible is not None:
-      p = jnp.where(visible, p, 0.0)  # the statistics past T are unspecified
+      # The statistics past T are unspecified.
+      p = jnp.where(visible, p, jnp.float32(0))
     r["dv_acc"][...] += lax.dot_general(
         p.astype(do.dtype), do, common.NN_DIMS,
         precision=common.precision_for(do.dtype),
@@ -154,7 +155,7 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)
     if visible is not None:
-      ds = jnp.where(visible, ds, 0.0)
+      ds = jnp.where(visible, ds, jnp.float32(0))
     r["dk_acc"][...] += lax.dot_general(
         ds.astype(q.dtype), q, common.NN_DIMS,
         precision=common.precision_for(q.dtype),
@@ -202,7 +203,7 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     return common.visit_at(visits, count, sb, i, j)[0]
 
   def kv_map(b, n, i, j, visits, count, *_):
-    return b, lax.div(n, groups), kv_block(b, i, j, visits, count), 0
+    return b, lax.div(n, jnp.int32(groups)), kv_block(b, i, j, visits, count), 0
 
   def q_map(b, n, i, j, *_):
     return b, n, i, 0
@@ -211,21 +212,21 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     return b, n, 0, i
 
   operands = [q, k, v, do, lse, delta]
-  in_specs = [pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, 1, bq), row_map),
-              pl.BlockSpec((None, None, 1, bq), row_map)]
+  in_specs = [common.block_spec((None, None, bq, hp), q_map),
+              common.block_spec((None, None, bkv, hp), kv_map),
+              common.block_spec((None, None, bkv, hp), kv_map),
+              common.block_spec((None, None, bq, hp), q_map),
+              common.block_spec((None, None, 1, bq), row_map),
+              common.block_spec((None, None, 1, bq), row_map)]
   if plan.has_segments:
     q_col, _, _, kv_row = _segment_operands(mask)
     operands += [q_col, kv_row]
     in_specs += [
-        pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
-        pl.BlockSpec((None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
+        common.block_spec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
+        common.block_spec((None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
             b, 0, kv_block(b, i, j, visits, count)))]
   out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
-  out_specs = [pl.BlockSpec((None, None, bq, hp), q_map)]
+  out_specs = [common.block_spec((None, None, bq, hp), q_map)]
   if plan.count_visits:
     spec, shape = common.counter_spec(lambda b, n, i, j, *_: (b, n, i, 0, 0))
     out_specs.append(spec)
@@ -273,23 +274,23 @@ def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     return b, h, ki, 0
 
   operands = [q, k, v, do, lse, delta]
-  in_specs = [pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, 1, bq), row_map),
-              pl.BlockSpec((None, None, 1, bq), row_map)]
+  in_specs = [common.block_spec((None, None, bq, hp), q_map),
+              common.block_spec((None, None, bkv, hp), kv_map),
+              common.block_spec((None, None, bkv, hp), kv_map),
+              common.block_spec((None, None, bq, hp), q_map),
+              common.block_spec((None, None, 1, bq), row_map),
+              common.block_spec((None, None, 1, bq), row_map)]
   if plan.has_segments:
     _, q_row, kv_col, _ = _segment_operands(mask)
     operands += [q_row, kv_col]
     in_specs += [
-        pl.BlockSpec((None, 1, bq), lambda b, h, ki, g, j, visits, count, *_: (
+        common.block_spec((None, 1, bq), lambda b, h, ki, g, j, visits, count, *_: (
             b, 0, q_block(b, ki, j, visits, count))),
-        pl.BlockSpec((None, bkv, 1), lambda b, h, ki, g, j, *_: (b, ki, 0))]
+        common.block_spec((None, bkv, 1), lambda b, h, ki, g, j, *_: (b, ki, 0))]
   out_shape = [jax.ShapeDtypeStruct(k.shape, out_dtype),
                jax.ShapeDtypeStruct(v.shape, out_dtype)]
-  out_specs = [pl.BlockSpec((None, None, bkv, hp), kv_map),
-               pl.BlockSpec((None, None, bkv, hp), kv_map)]
+  out_specs = [common.block_spec((None, None, bkv, hp), kv_map),
+               common.block_spec((None, None, bkv, hp), kv_map)]
   if plan.count_visits:
     spec, shape = common.counter_spec(
         lambda b, h, ki, g, j, *_: (b, h, ki, 0, 0))

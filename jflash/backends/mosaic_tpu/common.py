@@ -149,7 +149,10 @@ def visit_at(visits, count, sb, row, j):
   """
   last = jnp.maximum(count[sb, row] - 1, 0)
   entry = visits[sb, row, jnp.minimum(j, last)]
-  return lax.shift_right_logical(entry, 2), lax.bitwise_and(entry, 3)
+  # lax's bit operations take no weakly typed Python ints: int32 operands,
+  # also under jax_enable_x64.
+  return (lax.shift_right_logical(entry, jnp.int32(2)),
+          lax.bitwise_and(entry, jnp.int32(3)))
 
 
 # ------------------------------------------------------------------ layout
@@ -189,6 +192,15 @@ def length_operands(mask: masks.AttentionMask) -> list[Array]:
   """The per-row lengths passed by scalar prefetch, in kernel order."""
   return [x.astype(jnp.int32) for x in (mask.q_lengths, mask.kv_lengths)
           if x is not None]
+
+
+def block_spec(block_shape: tuple, index_map) -> pl.BlockSpec:
+  """``pl.BlockSpec(block_shape, index_map)`` with the block indices cast
+  to int32: a literal ``0`` in an index map is int64 under
+  ``jax_enable_x64``, and the kernels' index math is int32 throughout."""
+  def int32_map(*args):
+    return tuple(jnp.asarray(x, jnp.int32) for x in index_map(*args))
+  return pl.BlockSpec(block_shape, int32_map)
 
 
 # ------------------------------------------------------------ kernel side
@@ -244,7 +256,7 @@ def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
   visible = masks.visibility_at(plan.rules, q_idx, kv_idx,
                                 q_length=lengths[0], kv_length=lengths[1],
                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-  return jnp.where(visible, s, -jnp.inf), visible
+  return jnp.where(visible, s, jnp.float32(-jnp.inf)), visible
 
 
 def zero_rows_past(x: Array, start, length: int) -> Array:
@@ -272,7 +284,7 @@ def when_visited(count, j, cls, step) -> None:
 def counter_spec(index_map) -> tuple[pl.BlockSpec, Any]:
   """Block spec of a visit counter (one ``[8, 128]`` int32 tile per grid
   row) and the function that makes its output shape."""
-  spec = pl.BlockSpec((None, None, None, 8, 128), index_map)
+  spec = block_spec((None, None, None, 8, 128), index_map)
 
   def shape(*lead):
     return jax.ShapeDtypeStruct((*lead, 8, 128), jnp.int32)

@@ -71,7 +71,7 @@ def _kernel(*refs, plan: Plan):
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     # A row that has seen no key yet keeps -inf; subtracting 0 instead keeps
     # exp() at 0 rather than NaN.
-    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    m_safe = jnp.where(jnp.isneginf(m_new), jnp.float32(0), m_new)
     p = jnp.exp(s - m_safe[:, :1])
     alpha = jnp.exp(m_prev - m_safe)
     l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
@@ -89,9 +89,10 @@ def _kernel(*refs, plan: Plan):
   def _finish():
     l, m = l_ref[...], m_ref[...]
     empty = l == 0.0  # no visible key: zeros and a logsumexp of -inf
-    safe_l = jnp.where(empty, 1.0, l)
+    safe_l = jnp.where(empty, jnp.float32(1), l)
     o_ref[...] = (acc_ref[...] / safe_l[:, :1]).astype(o_ref.dtype)
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe_l))  # [bq, 128]
+    lse = jnp.where(empty, jnp.float32(-jnp.inf),
+                    m + jnp.log(safe_l))  # [bq, 128]
     lse_ref[...] = jnp.transpose(lse)[:1, :]
 
 
@@ -119,7 +120,7 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
   def kv_map(b, n, i, j, visits, count, *_):
     sb = b if plan.per_batch else 0
     block, _ = common.visit_at(visits, count, sb, i, j)
-    return b, lax.div(n, groups), block, 0
+    return b, lax.div(n, jnp.int32(groups)), block, 0
 
   def kv_ids_map(b, n, i, j, visits, count, *_):
     sb = b if plan.per_batch else 0
@@ -128,22 +129,22 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
 
   operands = [q, k, v]
   in_specs = [
-      pl.BlockSpec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bkv, hp), kv_map),
-      pl.BlockSpec((None, None, bkv, hp), kv_map),
+      common.block_spec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
+      common.block_spec((None, None, bkv, hp), kv_map),
+      common.block_spec((None, None, bkv, hp), kv_map),
   ]
   if plan.has_segments:
     q_col, _ = common.segment_layouts(mask.q_segment_ids)
     _, kv_row = common.segment_layouts(mask.kv_segment_ids)
     operands += [q_col, kv_row]
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
-                 pl.BlockSpec((None, 1, bkv), kv_ids_map)]
+    in_specs += [common.block_spec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
+                 common.block_spec((None, 1, bkv), kv_ids_map)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype),
                jax.ShapeDtypeStruct((batch, heads, 1, q.shape[2]),
                                     jnp.float32)]
   out_specs = [
-      pl.BlockSpec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, 1, bq), lambda b, n, i, j, *_: (b, n, 0, i)),
+      common.block_spec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
+      common.block_spec((None, None, 1, bq), lambda b, n, i, j, *_: (b, n, 0, i)),
   ]
   if plan.count_visits:
     spec, shape = common.counter_spec(
