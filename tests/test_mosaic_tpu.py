@@ -15,8 +15,11 @@ import pytest
 
 import jflash
 from jflash import masks
-from jflash.backends.mosaic_tpu import (GENERATIONS, MosaicTpuBackend,
-                                        MosaicTpuConfig, common, config)
+from jax.experimental import pallas as pl
+
+from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
+from jflash.backends.mosaic_tpu import common, config, ops
+from jflash.backends.mosaic_tpu.config import GENERATIONS
 from tests import conformance
 from tests._support import (Case, fresh_rng, grads_of, random_qkv,
                             random_segments, rel_err)
@@ -54,19 +57,73 @@ def _nonempty_tiles(visible: np.ndarray, bq: int, bk: int) -> np.ndarray:
   return padded.reshape(b, nq, bq, nk, bk).any(axis=(2, 4))
 
 
+def _computed_tiles(monkeypatch, call) -> dict[str, np.ndarray]:
+  """How many tiles each kernel computes, reported from inside the
+  kernels while they run: ``common.when_visited``, through which every
+  kernel computes a tile, is wrapped with a host callback that records the
+  grid indices.  ``{"forward": [B, N, nq], "dq": [B, N, nq],
+  "dkv": [B, K, nk]}`` (``dkv`` summed over each key/value head's query
+  heads)."""
+  calls = []  # grid indices of each computed tile
+  original = common.when_visited
+
+  def grid_indices():
+    ids = []
+    for axis in range(5):
+      try:
+        ids.append(pl.program_id(axis))
+      except ValueError:  # past the kernel's grid
+        break
+    return ids
+
+  def counting_when_visited(count, j, cls, step):
+    ids = grid_indices()  # read outside the conditional tile step
+
+    def counted_step(masked):
+      step(masked)
+      jax.debug.callback(lambda *ids: calls.append(tuple(map(int, ids))),
+                         *ids)
+    original(count, j, cls, counted_step)
+
+  monkeypatch.setattr(common, "when_visited", counting_when_visited)
+  plan = SMALL.plan(call)
+  q, k, v = call.query, call.key, call.value
+  out, vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, call.mask, plan),
+                     q, k, v)
+  jax.block_until_ready(out)
+  jax.effects_barrier()
+  forward_calls = list(calls)
+  calls.clear()
+  jax.block_until_ready(vjp((jnp.ones_like(out[0]), jnp.zeros_like(out[1]))))
+  jax.effects_barrier()
+  b, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+
+  def count(records, shape):
+    counts = np.zeros(shape, np.int64)
+    for ids in records:
+      counts[ids[:3]] += 1
+    return counts
+  # Forward and dQ have 4 grid axes, dK/dV 5.
+  return {
+      "forward": count(forward_calls, (b, heads, plan.num_q)),
+      "dq": count([c for c in calls if len(c) == 4], (b, heads, plan.num_q)),
+      "dkv": count([c for c in calls if len(c) == 5],
+                   (b, kv_heads, plan.num_kv))}
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(is_causal=True, local_window_size=(20, 0)),
     dict(is_causal=True, local_window_size=(7, 3),
          key_value_seq_lengths=np.array([100, 41], np.int32)),
 ], ids=["causal_window", "causal_window_lengths"])
-def test_kernels_visit_only_nonempty_tiles(kwargs):
-  """Counted inside the kernels: each visits exactly the tiles with a
-  visible pair, per batch row, and the visit lists are shorter than a
-  full row of tiles (the grid itself shrinks)."""
+def test_kernels_visit_only_nonempty_tiles(monkeypatch, kwargs):
+  """Counted inside the kernels as they run: each computes exactly the
+  tiles with a visible pair, per batch row, and the visit lists are
+  shorter than a full row of tiles (the grid itself shrinks)."""
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
             for k, v in kwargs.items()}
   call, _ = _call(fresh_rng(), **kwargs)
-  visits = SMALL.tile_visits(call)
+  visits = _computed_tiles(monkeypatch, call)
   plan = SMALL.plan(call)
   visible = np.asarray(call.mask.visibility())[:, 0]
   tiles = _nonempty_tiles(visible, plan.block_q, plan.block_kv)
@@ -357,7 +414,11 @@ def test_shape_only_metadata_is_a_trace_time_constant():
   jaxpr = jax.make_jaxpr(lambda: common.metadata(call.mask, plan))()
   assert not jaxpr.eqns
   static = common.metadata(call.mask, plan)
-  traced = jax.jit(lambda: common._metadata(call.mask, plan))()
+  # The same rules with lengths that hide nothing: traced, so computed at
+  # run time by the same schedule.
+  full = jnp.full((call.mask.batch,), call.mask.kv_len, jnp.int32)
+  traced = jax.jit(lambda full: common.metadata(dataclasses.replace(
+      call.mask, kv_lengths=full), plan))(full)
   for got, want in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

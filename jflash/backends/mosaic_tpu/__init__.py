@@ -21,11 +21,9 @@ from jflash.backends.padding import round_up
 from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_tpu import ops
 from jflash.backends.mosaic_tpu.common import Plan
-from jflash.backends.mosaic_tpu.config import (FALLBACK, GENERATIONS, LANES,
-                                               SUBLANES, Generation,
-                                               MosaicTpuConfig, fit_blocks,
-                                               generation_of, target_device,
-                                               vmem_estimate)
+from jflash.backends.mosaic_tpu.config import (LANES, SUBLANES,
+                                               MosaicTpuConfig, generation_of,
+                                               target_device)
 
 Array = jax.Array
 
@@ -75,7 +73,7 @@ class MosaicTpuBackend:
     plan = self.plan(call)
     return ops.attention(call.query, call.key, call.value, call.mask, plan)
 
-  def plan(self, call: AttentionCall, *, count_visits: bool = False) -> Plan:
+  def plan(self, call: AttentionCall) -> Plan:
     """The static plan of one call, or ``NotImplementedError`` if this
     backend declines it."""
     self._check_supported(call)
@@ -120,15 +118,7 @@ class MosaicTpuBackend:
         per_batch=per_batch, has_q_lengths=mask.q_lengths is not None,
         has_kv_lengths=mask.kv_lengths is not None,
         has_segments=mask.q_segment_ids is not None, interpret=interpret,
-        vmem_limit_bytes=vmem_limit, count_visits=count_visits)
-
-  def tile_visits(self, call: AttentionCall) -> dict[str, Array]:
-    """How many tiles each kernel computes, counted inside the kernels:
-    ``{"forward": [B, N, nq], "dq": [B, N, nq], "dkv": [B, K, nk]}`` int32
-    (``dkv`` summed over each key/value head's query heads).  For tests
-    and profiling; runs the forward and both backward kernels once."""
-    plan = self.plan(call, count_visits=True)
-    return ops.tile_visits(call.query, call.key, call.value, call.mask, plan)
+        vmem_limit_bytes=vmem_limit)
 
   # ---------------------------------------------------------------- checks
   def _check_supported(self, call: AttentionCall) -> None:
@@ -161,6 +151,4 @@ class MosaicTpuBackend:
     return 4 * rows * max(num_q * (kv_steps + 1), num_kv * (q_steps + 1))
 
 
-__all__ = ["FALLBACK", "GENERATIONS", "Generation", "MAX_HEAD_DIM",
-           "MosaicTpuBackend", "MosaicTpuConfig", "fit_blocks",
-           "generation_of", "target_device", "vmem_estimate"]
+__all__ = ["MAX_HEAD_DIM", "MosaicTpuBackend", "MosaicTpuConfig"]

@@ -36,16 +36,14 @@ Array = jax.Array
 
 
 def _split(refs, plan: Plan, names: tuple[str, ...]):
-  """Scalar-prefetch refs, then the named refs in order; segment ids and
-  the counter only when the plan has them."""
+  """Scalar-prefetch refs, then the named refs in order; segment ids only
+  when the plan has them."""
   n_lengths = plan.num_lengths
   head, length_refs = refs[:2], refs[2:2 + n_lengths]
   rest = list(refs[2 + n_lengths:])
   out = {}
   for name in names:
     if name in ("q_ids", "kv_ids") and not plan.has_segments:
-      out[name] = None
-    elif name == "counter" and not plan.count_visits:
       out[name] = None
     else:
       out[name] = rest.pop(0)
@@ -56,7 +54,7 @@ def _split(refs, plan: Plan, names: tuple[str, ...]):
 def _dq_kernel(*refs, plan: Plan):
   (visits_ref, count_ref), length_refs, r = _split(
       refs, plan, ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids",
-                   "dq", "counter", "acc"))
+                   "dq", "acc"))
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   sb = b if plan.per_batch else 0
   count = count_ref[sb, i]
@@ -65,8 +63,6 @@ def _dq_kernel(*refs, plan: Plan):
   @pl.when(j == 0)
   def _init():
     r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] = jnp.zeros(r["counter"].shape, jnp.int32)
 
   def step(masked: bool):
     q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
@@ -98,8 +94,6 @@ def _dq_kernel(*refs, plan: Plan):
         ds.astype(k.dtype), k, common.NN_DIMS,
         precision=common.precision_for(k.dtype),
         preferred_element_type=jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] += 1
 
   common.when_visited(count, j, cls, step)
 
@@ -112,7 +106,7 @@ def _dq_kernel(*refs, plan: Plan):
 def _dkv_kernel(*refs, plan: Plan, groups: int):
   (visits_ref, count_ref), length_refs, r = _split(
       refs, plan, ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids",
-                   "dk", "dv", "counter", "dk_acc", "dv_acc"))
+                   "dk", "dv", "dk_acc", "dv_acc"))
   b, ki = pl.program_id(0), pl.program_id(2)
   g, j = pl.program_id(3), pl.program_id(4)
   sb = b if plan.per_batch else 0
@@ -123,8 +117,6 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
   def _init():
     r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
     r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] = jnp.zeros(r["counter"].shape, jnp.int32)
 
   def step(masked: bool):
     q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
@@ -160,8 +152,6 @@ def _dkv_kernel(*refs, plan: Plan, groups: int):
         ds.astype(q.dtype), q, common.NN_DIMS,
         precision=common.precision_for(q.dtype),
         preferred_element_type=jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] += 1
 
   common.when_visited(count, j, cls, step)
 
@@ -179,7 +169,7 @@ def _segment_operands(mask: masks.AttentionMask):
 
 def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
        mask: masks.AttentionMask, meta: Metadata, plan: Plan,
-       out_dtype) -> tuple[Array, ...]:
+       out_dtype) -> Array:
   """dQ on kernel-layout operands.
 
   Args:
@@ -191,8 +181,7 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     out_dtype: dtype of dQ.
 
   Returns:
-    ``dq [B, N, T, Hp]`` and, with ``plan.count_visits``, the visit
-    counter ``[B, N, nq, 8, 128]``.
+    ``dq [B, N, T, Hp]``.
   """
   batch, heads, _, hp = q.shape
   groups = heads // k.shape[1]
@@ -227,10 +216,6 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
             b, 0, kv_block(b, i, j, visits, count)))]
   out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
   out_specs = [common.block_spec((None, None, bq, hp), q_map)]
-  if plan.count_visits:
-    spec, shape = common.counter_spec(lambda b, n, i, j, *_: (b, n, i, 0, 0))
-    out_specs.append(spec)
-    out_shape.append(shape(batch, heads, plan.num_q))
   scalars = [meta.kv_visits, meta.kv_count, *common.length_operands(mask)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
@@ -243,17 +228,16 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
       compiler_params=plan.compiler_params(
           ("parallel", "parallel", "parallel", "arbitrary")),
       interpret=plan.interpret, name="jflash_mosaic_tpu_dq",
-  )(*scalars, *operands)
+  )(*scalars, *operands)[0]
 
 
 def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
         mask: masks.AttentionMask, meta: Metadata, plan: Plan,
-        out_dtype) -> tuple[Array, ...]:
+        out_dtype) -> tuple[Array, Array]:
   """dK and dV on kernel-layout operands (shapes as for :func:`dq`).
 
   Returns:
-    ``dk``, ``dv`` ``[B, K, S, Hp]`` and, with ``plan.count_visits``, the
-    visit counter ``[B, K, nk, 8, 128]`` (summed over the query-head group).
+    ``dk``, ``dv`` ``[B, K, S, Hp]``.
   """
   batch, heads, _, hp = q.shape
   kv_heads = k.shape[1]
@@ -291,11 +275,6 @@ def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
                jax.ShapeDtypeStruct(v.shape, out_dtype)]
   out_specs = [common.block_spec((None, None, bkv, hp), kv_map),
                common.block_spec((None, None, bkv, hp), kv_map)]
-  if plan.count_visits:
-    spec, shape = common.counter_spec(
-        lambda b, h, ki, g, j, *_: (b, h, ki, 0, 0))
-    out_specs.append(spec)
-    out_shape.append(shape(batch, kv_heads, plan.num_kv))
   scalars = [meta.q_visits, meta.q_count, *common.length_operands(mask)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),

@@ -53,7 +53,6 @@ class Plan:
       kernels receive.
     interpret: ``pallas_call``'s ``interpret`` argument.
     vmem_limit_bytes: scoped VMEM per kernel.
-    count_visits: add an output counting the tiles each kernel computes.
   """
 
   scale: float
@@ -72,7 +71,6 @@ class Plan:
   has_segments: bool
   interpret: Any
   vmem_limit_bytes: int
-  count_visits: bool = False
 
   @property
   def q_tail(self) -> bool:
@@ -279,13 +277,3 @@ def when_visited(count, j, cls, step) -> None:
   @pl.when(visited & (cls != masks.FULL))
   def _partial():
     step(True)
-
-
-def counter_spec(index_map) -> tuple[pl.BlockSpec, Any]:
-  """Block spec of a visit counter (one ``[8, 128]`` int32 tile per grid
-  row) and the function that makes its output shape."""
-  spec = block_spec((None, None, None, 8, 128), index_map)
-
-  def shape(*lead):
-    return jax.ShapeDtypeStruct((*lead, 8, 128), jnp.int32)
-  return spec, shape

@@ -39,7 +39,6 @@ def _kernel(*refs, plan: Plan):
     del refs[:2]
   o_ref, lse_ref = refs[:2]
   del refs[:2]
-  counter_ref = refs.pop(0) if plan.count_visits else None
   m_ref, l_ref, acc_ref = refs
 
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -52,8 +51,6 @@ def _kernel(*refs, plan: Plan):
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    if counter_ref is not None:
-      counter_ref[...] = jnp.zeros(counter_ref.shape, jnp.int32)
 
   def step(masked: bool):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
@@ -80,8 +77,6 @@ def _kernel(*refs, plan: Plan):
                          preferred_element_type=jnp.float32)
     acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
     m_ref[...] = m_new
-    if counter_ref is not None:
-      counter_ref[...] += 1
 
   common.when_visited(count, j, cls, step)
 
@@ -97,7 +92,7 @@ def _kernel(*refs, plan: Plan):
 
 
 def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
-            meta: Metadata, plan: Plan, out_dtype) -> tuple[Array, ...]:
+            meta: Metadata, plan: Plan, out_dtype) -> tuple[Array, Array]:
   """Runs the forward kernel on kernel-layout operands.
 
   Args:
@@ -110,8 +105,7 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
       take ``delta`` from it).
 
   Returns:
-    ``out [B, N, T, Hp]``, ``lse [B, N, 1, T]`` float32 and, with
-    ``plan.count_visits``, the visit counter ``[B, N, nq, 8, 128]``.
+    ``out [B, N, T, Hp]`` and ``lse [B, N, 1, T]`` float32.
   """
   batch, heads, _, hp = q.shape
   groups = heads // k.shape[1]
@@ -146,11 +140,6 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
       common.block_spec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
       common.block_spec((None, None, 1, bq), lambda b, n, i, j, *_: (b, n, 0, i)),
   ]
-  if plan.count_visits:
-    spec, shape = common.counter_spec(
-        lambda b, n, i, j, *_: (b, n, i, 0, 0))
-    out_specs.append(spec)
-    out_shape.append(shape(batch, heads, plan.num_q))
   scalars = [meta.kv_visits, meta.kv_count, *common.length_operands(mask)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
