@@ -115,10 +115,8 @@ class MosaicTpuBackend:
         scale=float(call.scale), soft_cap=call.logits_soft_cap, rules=rules,
         block_q=block_q, block_kv=block_kv, num_q=num_q, num_kv=num_kv,
         kv_steps=kv_steps, q_steps=q_steps, head_dim=head_padded,
-        per_batch=per_batch, has_q_lengths=mask.q_lengths is not None,
-        has_kv_lengths=mask.kv_lengths is not None,
-        has_segments=mask.q_segment_ids is not None, interpret=interpret,
-        vmem_limit_bytes=vmem_limit)
+        per_batch=per_batch, has_segments=mask.q_segment_ids is not None,
+        interpret=interpret, vmem_limit_bytes=vmem_limit)
 
   # ---------------------------------------------------------------- checks
   def _check_supported(self, call: AttentionCall) -> None:
