@@ -1,6 +1,7 @@
 """The ``mosaic_tpu`` kernels in Pallas's interpret mode on the CPU: the
-shared conformance suite, the tile schedule they walk, their configuration
-and when they decline.
+shared conformance suite, the tile schedule they walk, their configuration,
+when they decline, and ``jax_enable_x64``, extreme windows and segment ids,
+and empty axes.
 
 Blocks of 16 x 32 (legal in interpret mode only) make the suite's small
 shapes span several tiles in both directions.
@@ -533,11 +534,14 @@ def test_x64_head_groups(x64, heads, kv_heads, dtype):
 
 @pytest.mark.parametrize("enable_x64,causal,window", [
     (True, False, (45 + 61, 45 + 61)), (True, False, (0, 61)),
-    (True, True, (2 * 45 + 61, 3 * 61)), (False, False, (44, 60))],
-    ids=["x64_both_t_plus_s", "x64_right_s", "x64_causal_wider", "x32_exact"])
+    (True, True, (2 * 45 + 61, 3 * 61)), (True, True, (2**31 - 1, 0)),
+    (False, False, (44, 60))],
+    ids=["x64_both_t_plus_s", "x64_right_s", "x64_causal_wider",
+         "x64_left_int32_max", "x32_exact"])
 def test_windows_as_wide_as_the_sequences(enable_x64, causal, window):
-  """Windows up to and past both sequence lengths: the kernels' position
-  math (positions plus or minus a window side, in int32) stays exact."""
+  """Windows up to and past both sequence lengths (and a left side of the
+  largest int32): the kernels' position math (positions plus or minus a
+  window side, in int32) stays exact."""
   rng, seed = conformance.new_rng()
   case = conformance.build_case(rng, "causal" if causal else "plain",
                                 dtype=jnp.float32, q_len=45, kv_len=61)
