@@ -1,6 +1,7 @@
 """The ``mosaic_tpu`` kernels in Pallas's interpret mode on the CPU: the
-shared conformance suite, the tile schedule they walk, their configuration
-and when they decline.
+shared conformance suite, the tile schedule they walk, their configuration,
+when they decline, and ``jax_enable_x64``, extreme windows and segment ids,
+and empty axes.
 
 Blocks of 16 x 32 (legal in interpret mode only) make the suite's small
 shapes span several tiles in both directions.
@@ -15,8 +16,11 @@ import pytest
 
 import jflash
 from jflash import masks
-from jflash.backends.mosaic_tpu import (GENERATIONS, MosaicTpuBackend,
-                                        MosaicTpuConfig, common, config)
+from jax.experimental import pallas as pl
+
+from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
+from jflash.backends.mosaic_tpu import common, config, ops
+from jflash.backends.mosaic_tpu.config import GENERATIONS
 from tests import conformance
 from tests._support import (Case, fresh_rng, grads_of, random_qkv,
                             random_segments, rel_err)
@@ -56,19 +60,73 @@ def _nonempty_tiles(visible: np.ndarray, bq: int, bk: int) -> np.ndarray:
   return padded.reshape(b, nq, bq, nk, bk).any(axis=(2, 4))
 
 
+def _computed_tiles(monkeypatch, call) -> dict[str, np.ndarray]:
+  """How many tiles each kernel computes, reported from inside the
+  kernels while they run: ``common.when_visited``, through which every
+  kernel computes a tile, is wrapped with a host callback that records the
+  grid indices.  ``{"forward": [B, N, nq], "dq": [B, N, nq],
+  "dkv": [B, K, nk]}`` (``dkv`` summed over each key/value head's query
+  heads)."""
+  calls = []  # grid indices of each computed tile
+  original = common.when_visited
+
+  def grid_indices():
+    ids = []
+    for axis in range(5):
+      try:
+        ids.append(pl.program_id(axis))
+      except ValueError:  # past the kernel's grid
+        break
+    return ids
+
+  def counting_when_visited(count, j, cls, step):
+    ids = grid_indices()  # read outside the conditional tile step
+
+    def counted_step(masked):
+      step(masked)
+      jax.debug.callback(lambda *ids: calls.append(tuple(map(int, ids))),
+                         *ids)
+    original(count, j, cls, counted_step)
+
+  monkeypatch.setattr(common, "when_visited", counting_when_visited)
+  plan = SMALL.plan(call)
+  q, k, v = call.query, call.key, call.value
+  out, vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, call.mask, plan),
+                     q, k, v)
+  jax.block_until_ready(out)
+  jax.effects_barrier()
+  forward_calls = list(calls)
+  calls.clear()
+  jax.block_until_ready(vjp((jnp.ones_like(out[0]), jnp.zeros_like(out[1]))))
+  jax.effects_barrier()
+  b, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+
+  def count(records, shape):
+    counts = np.zeros(shape, np.int64)
+    for ids in records:
+      counts[ids[:3]] += 1
+    return counts
+  # Forward and dQ have 4 grid axes, dK/dV 5.
+  return {
+      "forward": count(forward_calls, (b, heads, plan.num_q)),
+      "dq": count([c for c in calls if len(c) == 4], (b, heads, plan.num_q)),
+      "dkv": count([c for c in calls if len(c) == 5],
+                   (b, kv_heads, plan.num_kv))}
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(is_causal=True, local_window_size=(20, 0)),
     dict(is_causal=True, local_window_size=(7, 3),
          key_value_seq_lengths=np.array([100, 41], np.int32)),
 ], ids=["causal_window", "causal_window_lengths"])
-def test_kernels_visit_only_nonempty_tiles(kwargs):
-  """Counted inside the kernels: each visits exactly the tiles with a
-  visible pair, per batch row, and the visit lists are shorter than a
-  full row of tiles (the grid itself shrinks)."""
+def test_kernels_visit_only_nonempty_tiles(monkeypatch, kwargs):
+  """Counted inside the kernels as they run: each computes exactly the
+  tiles with a visible pair, per batch row, and the visit lists are
+  shorter than a full row of tiles (the grid itself shrinks)."""
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
             for k, v in kwargs.items()}
   call, _ = _call(fresh_rng(), **kwargs)
-  visits = SMALL.tile_visits(call)
+  visits = _computed_tiles(monkeypatch, call)
   plan = SMALL.plan(call)
   visible = np.asarray(call.mask.visibility())[:, 0]
   tiles = _nonempty_tiles(visible, plan.block_q, plan.block_kv)
@@ -359,6 +417,192 @@ def test_shape_only_metadata_is_a_trace_time_constant():
   jaxpr = jax.make_jaxpr(lambda: common.metadata(call.mask, plan))()
   assert not jaxpr.eqns
   static = common.metadata(call.mask, plan)
-  traced = jax.jit(lambda: common._metadata(call.mask, plan))()
+  # The same rules with lengths that hide nothing: traced, so computed at
+  # run time by the same schedule.
+  full = jnp.full((call.mask.batch,), call.mask.kv_len, jnp.int32)
+  traced = jax.jit(lambda full: common.metadata(dataclasses.replace(
+      call.mask, kv_lengths=full), plan))(full)
   for got, want in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ------------------------------------------------------------------ x64
+# Mosaic TPU has no 64-bit types: under jax_enable_x64 every index and
+# scalar in the kernels must still be int32 / float32.
+_SUITE = TestMosaicTpuInterpret()
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+def _pallas_calls(jaxpr):
+  from jax.extend import core
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        if isinstance(sub, core.ClosedJaxpr):
+          yield from _pallas_calls(sub.jaxpr)
+        elif isinstance(sub, core.Jaxpr):
+          yield from _pallas_calls(sub)
+
+
+def _kernel_texts(case: Case) -> list[str]:
+  """Kernel and index-map jaxprs of the forward and both backward kernels."""
+  def loss(q, k, v):
+    out, lse = case.call_jflash(q, k, v, None, implementation=SMALL,
+                                interpret=True, return_residual=True)
+    return out.sum() + lse.sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(
+      *case.arrays[:3])
+  texts = []
+  for eqn in _pallas_calls(jaxpr.jaxpr):
+    maps = [str(b.index_map_jaxpr)
+            for b in eqn.params["grid_mapping"].block_mappings]
+    texts.append("\n".join([str(eqn.params["jaxpr"]), *maps]))
+  return texts
+
+
+def _wide_ints(kwargs: dict) -> dict:
+  """Lengths and segment ids as int64 (what integer arrays default to
+  under x64)."""
+  out = dict(kwargs)
+  for name in ("query_seq_lengths", "key_value_seq_lengths", "segment_ids"):
+    if name in out:
+      out[name] = jax.tree.map(lambda x: jnp.asarray(x, jnp.int64), out[name])
+  return out
+
+
+def _all_features(rng, *, heads=4, kv_heads=2, q_len=45, kv_len=61,
+                  dtype=jnp.float32) -> Case:
+  """Every feature the kernels serve at once (``combined`` without the
+  bias and dense mask they decline)."""
+  case = conformance.build_case(rng, "causal", dtype=dtype, heads=heads,
+                                kv_heads=kv_heads, q_len=q_len, kv_len=kv_len)
+  case.kwargs.update(
+      local_window_size=(int(rng.integers(1, 20)), 0),
+      query_seq_lengths=jnp.asarray(rng.integers(0, q_len + 1, 2), jnp.int32),
+      key_value_seq_lengths=jnp.asarray(rng.integers(1, kv_len + 1, 2),
+                                        jnp.int32),
+      segment_ids=(jnp.asarray(random_segments(rng, 2, q_len)),
+                   jnp.asarray(random_segments(rng, 2, kv_len))),
+      logits_soft_cap=float(rng.uniform(1.0, 4.0)), scale=1.0)
+  return case
+
+
+def test_x64_traces_the_same_kernels():
+  """Forward, dQ and dK/dV traced with and without x64 are the same
+  jaxprs (so the same Mosaic kernels): no int64 or float64 anywhere."""
+  case = _all_features(fresh_rng())
+  plain = _kernel_texts(case)
+  with jax.enable_x64(True):
+    case.kwargs = _wide_ints(case.kwargs)
+    wide = _kernel_texts(case)
+  assert len(plain) == 3
+  assert wide == plain
+  assert not any("64[" in text for text in wide)
+
+
+@pytest.mark.parametrize("feature", [
+    f for f in conformance.FEATURES if f != "combined"] + ["all"])
+def test_x64_matches_reference(x64, feature):
+  """Every feature under x64, with int64 lengths and segment ids and odd
+  lengths (tails in both directions): output, logsumexp and gradients
+  against the reference; bias and dense mask still decline."""
+  rng, seed = conformance.new_rng()
+  if feature == "all":
+    case = _all_features(rng)
+  else:
+    case = conformance.build_case(rng, feature, dtype=jnp.float32, q_len=45,
+                                  kv_len=61)
+  case.kwargs = _wide_ints(case.kwargs)
+  _SUITE.check_case(case, jnp.float32, seed)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [
+    (4, 4, jnp.float32), (6, 1, jnp.float32), (4, 2, jnp.bfloat16)],
+    ids=["mha", "mqa", "gqa_bf16"])
+def test_x64_head_groups(x64, heads, kv_heads, dtype):
+  rng, seed = conformance.new_rng()
+  case = _all_features(rng, heads=heads, kv_heads=kv_heads, q_len=37,
+                       kv_len=37, dtype=dtype)
+  case.kwargs = _wide_ints(case.kwargs)
+  _SUITE.check_case(case, dtype, seed)
+
+
+@pytest.mark.parametrize("enable_x64,causal,window", [
+    (True, False, (45 + 61, 45 + 61)), (True, False, (0, 61)),
+    (True, True, (2 * 45 + 61, 3 * 61)), (True, True, (2**31 - 1, 0)),
+    (False, False, (44, 60))],
+    ids=["x64_both_t_plus_s", "x64_right_s", "x64_causal_wider",
+         "x64_left_int32_max", "x32_exact"])
+def test_windows_as_wide_as_the_sequences(enable_x64, causal, window):
+  """Windows up to and past both sequence lengths (and a left side of the
+  largest int32): the kernels' position math (positions plus or minus a
+  window side, in int32) stays exact."""
+  rng, seed = conformance.new_rng()
+  case = conformance.build_case(rng, "causal" if causal else "plain",
+                                dtype=jnp.float32, q_len=45, kv_len=61)
+  case.kwargs["local_window_size"] = window
+  with jax.enable_x64(enable_x64):
+    _SUITE.check_case(case, jnp.float32, seed)
+
+
+@pytest.mark.parametrize("enable_x64", [False, True], ids=["x32", "x64"])
+def test_segment_ids_at_the_int32_extremes(enable_x64):
+  """Segment ids at and next to the int32 limits, negative ones, and ids
+  that differ only in the sign bit or the lowest bit are compared exactly
+  (also when they arrive as int64 under x64)."""
+  rng, seed = conformance.new_rng()
+  top, bottom = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+  values = np.array([bottom, bottom + 1, -1, 0, 1, top - 1, top], np.int64)
+  t = 45
+  # Runs of random lengths of randomly chosen extreme values, so that tiles
+  # hold several segments and the same id recurs in separate runs.
+  ids = np.repeat(rng.choice(values, (2, t)), 1, axis=1)
+  runs = np.sort(rng.choice(np.arange(1, t), (2, 6)), axis=1)
+  for b in range(2):
+    for start in runs[b]:
+      ids[b, start:] = ids[b, start]
+  case = conformance.build_case(rng, "causal", dtype=jnp.float32, q_len=t,
+                                kv_len=t)
+  with jax.enable_x64(enable_x64):
+    dtype = jnp.int64 if enable_x64 else jnp.int32
+    case.kwargs["segment_ids"] = jnp.asarray(ids.astype(dtype))
+    _SUITE.check_case(case, jnp.float32, seed)
+
+
+@pytest.mark.parametrize("shape", [(0, 20, 20, 32), (2, 0, 20, 32),
+                                   (2, 20, 0, 32), (2, 20, 30, 0)],
+                         ids=["batch0", "queries0", "keys0", "headdim0"])
+def test_empty_axes(shape):
+  """Called directly, the backend answers empty axes exactly (an empty grid
+  would leave its outputs unwritten): zeros and a logsumexp of -inf, zero
+  gradients; a head dim of 0 still attends (logsumexp log(#visible))."""
+  b, t, s, h = shape
+  rng = fresh_rng()
+  q, k, v = random_qkv(rng, b=b, t=t, s=s, n=4, k=2, h=h)
+  case = Case(q, k, v, kwargs=dict(is_causal=True, scale=1.0))
+  call, _ = case.canonical(q, k, v, None)
+  call = dataclasses.replace(call, interpret=True)
+
+  def run(q, k, v):
+    return SMALL(dataclasses.replace(call, query=q, key=k, value=v))
+
+  out, lse = run(q, k, v)
+  assert out.shape == q.shape and lse.shape == q.shape[:-1]
+  assert not np.asarray(out).any()
+  if h == 0:  # causal: query t sees keys 0 .. t, each with logit 0
+    want = np.log(np.arange(1, t + 1, dtype=np.float64))[None, :, None]
+    np.testing.assert_allclose(np.asarray(lse),
+                               np.broadcast_to(want, lse.shape), rtol=1e-6)
+  else:
+    assert np.isneginf(np.asarray(lse)).all()
+  grads = jax.grad(lambda *a: run(*a)[1].sum() + run(*a)[0].sum(),
+                   argnums=(0, 1, 2))(q, k, v)
+  for g, x in zip(grads, (q, k, v)):
+    assert g.shape == x.shape and not np.asarray(g).any()

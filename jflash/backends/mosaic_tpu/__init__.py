@@ -21,11 +21,9 @@ from jflash.backends.padding import round_up
 from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_tpu import ops
 from jflash.backends.mosaic_tpu.common import Plan
-from jflash.backends.mosaic_tpu.config import (FALLBACK, GENERATIONS, LANES,
-                                               SUBLANES, Generation,
-                                               MosaicTpuConfig, fit_blocks,
-                                               generation_of, target_device,
-                                               vmem_estimate)
+from jflash.backends.mosaic_tpu.config import (LANES, SUBLANES,
+                                               MosaicTpuConfig, generation_of,
+                                               target_device)
 
 Array = jax.Array
 
@@ -65,10 +63,17 @@ class MosaicTpuBackend:
     return per_shard(call, self._run, self.name)
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
+    batch, q_len, _, _ = call.query.shape
+    if 0 in (batch, q_len, call.key.shape[1]):
+      # An empty grid runs no kernel step, so nothing would write the
+      # outputs: no key is visible, hence zeros and a logsumexp of -inf.
+      q = call.query
+      return (jnp.zeros_like(q),
+              jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
     plan = self.plan(call)
     return ops.attention(call.query, call.key, call.value, call.mask, plan)
 
-  def plan(self, call: AttentionCall, *, count_visits: bool = False) -> Plan:
+  def plan(self, call: AttentionCall) -> Plan:
     """The static plan of one call, or ``NotImplementedError`` if this
     backend declines it."""
     self._check_supported(call)
@@ -76,7 +81,7 @@ class MosaicTpuBackend:
     batch, q_len, _, head_dim = call.query.shape
     kv_len = call.key.shape[1]
     kernel_dtype = jnp.float32 if call.dtype == jnp.float16 else call.dtype
-    head_padded = round_up(head_dim, LANES)
+    head_padded = round_up(max(head_dim, 1), LANES)  # H = 0 takes 1 block
     gen = generation_of(target_device()[1])
     block_q, block_kv, vmem_limit = self.config.resolve(
         gen, head_padded, jnp.dtype(kernel_dtype).itemsize,
@@ -110,18 +115,8 @@ class MosaicTpuBackend:
         scale=float(call.scale), soft_cap=call.logits_soft_cap, rules=rules,
         block_q=block_q, block_kv=block_kv, num_q=num_q, num_kv=num_kv,
         kv_steps=kv_steps, q_steps=q_steps, head_dim=head_padded,
-        per_batch=per_batch, has_q_lengths=mask.q_lengths is not None,
-        has_kv_lengths=mask.kv_lengths is not None,
-        has_segments=mask.q_segment_ids is not None, interpret=interpret,
-        vmem_limit_bytes=vmem_limit, count_visits=count_visits)
-
-  def tile_visits(self, call: AttentionCall) -> dict[str, Array]:
-    """How many tiles each kernel computes, counted inside the kernels:
-    ``{"forward": [B, N, nq], "dq": [B, N, nq], "dkv": [B, K, nk]}`` int32
-    (``dkv`` summed over each key/value head's query heads).  For tests
-    and profiling; runs the forward and both backward kernels once."""
-    plan = self.plan(call, count_visits=True)
-    return ops.tile_visits(call.query, call.key, call.value, call.mask, plan)
+        per_batch=per_batch, has_segments=mask.q_segment_ids is not None,
+        interpret=interpret, vmem_limit_bytes=vmem_limit)
 
   # ---------------------------------------------------------------- checks
   def _check_supported(self, call: AttentionCall) -> None:
@@ -154,6 +149,4 @@ class MosaicTpuBackend:
     return 4 * rows * max(num_q * (kv_steps + 1), num_kv * (q_steps + 1))
 
 
-__all__ = ["FALLBACK", "GENERATIONS", "Generation", "MAX_HEAD_DIM",
-           "MosaicTpuBackend", "MosaicTpuConfig", "fit_blocks",
-           "generation_of", "target_device", "vmem_estimate"]
+__all__ = ["MAX_HEAD_DIM", "MosaicTpuBackend", "MosaicTpuConfig"]

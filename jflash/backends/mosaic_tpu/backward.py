@@ -35,73 +35,20 @@ from jflash.backends.mosaic_tpu.common import Metadata, Plan
 Array = jax.Array
 
 
-def _split(refs, plan: Plan, names: tuple[str, ...]):
-  """Scalar-prefetch refs, then the named refs in order; segment ids and
-  the counter only when the plan has them."""
-  n_lengths = plan.num_lengths
-  head, length_refs = refs[:2], refs[2:2 + n_lengths]
-  rest = list(refs[2 + n_lengths:])
-  out = {}
-  for name in names:
-    if name in ("q_ids", "kv_ids") and not plan.has_segments:
-      out[name] = None
-    elif name == "counter" and not plan.count_visits:
-      out[name] = None
-    else:
-      out[name] = rest.pop(0)
-  assert not rest, rest
-  return head, length_refs, out
-
-
-def _dq_kernel(*refs, plan: Plan):
-  (visits_ref, count_ref), length_refs, r = _split(
-      refs, plan, ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids",
-                   "dq", "counter", "acc"))
+# ---------------------------------------------------------------------- dQ
+def _dq_kernel(r: dict, *, plan: Plan):
+  """One grid step ``(b, n, i, j)``: step ``j`` of query block ``i``'s key
+  block visits (refs by name, see :func:`dq`)."""
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   sb = b if plan.per_batch else 0
-  count = count_ref[sb, i]
-  kv_block, cls = common.visit_at(visits_ref, count_ref, sb, i, j)
-
+  count = r["count"][sb, i]
+  kv_block, cls = common.visit_at(r["visits"], r["count"], sb, i, j)
   @pl.when(j == 0)
   def _init():
     r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] = jnp.zeros(r["counter"].shape, jnp.int32)
 
-  def step(masked: bool):
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    s, tanh = common.logits(q, k, plan)
-    visible = None
-    if masked:
-      kv_start = kv_block * plan.block_kv
-      s, visible = common.apply_mask(
-          s, plan, q_start=i * plan.block_q, kv_start=kv_start,
-          transposed=False, lengths=common.lengths_of(plan, length_refs, b),
-          q_ids=None if r["q_ids"] is None else r["q_ids"][...],
-          kv_ids=None if r["kv_ids"] is None else r["kv_ids"][...])
-      if plan.kv_tail:
-        k = common.zero_rows_past(k, kv_start, plan.rules.kv_len)
-    lse = r["lse"][0][:, None]  # [1, bq] row -> [bq, 1] column
-    delta = r["delta"][0][:, None]
-    p = jnp.exp(s - lse)
-    dp = lax.dot_general(do, v, common.NT_DIMS,
-                         precision=common.precision_for(v.dtype),
-                         preferred_element_type=jnp.float32)
-    ds = p * (dp - delta)
-    if tanh is not None:
-      ds = ds * (1.0 - tanh * tanh)
-    if visible is not None:
-      # Hidden pairs contribute exactly 0, whatever lies past the sequence
-      # ends (rows of dO, the statistics, and V there are unspecified).
-      ds = jnp.where(visible, ds, 0.0)
-    r["acc"][...] += lax.dot_general(
-        ds.astype(k.dtype), k, common.NN_DIMS,
-        precision=common.precision_for(k.dtype),
-        preferred_element_type=jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] += 1
-
-  common.when_visited(count, j, cls, step)
+  common.when_visited(count, j, cls, functools.partial(
+      _dq_step, r, plan=plan, b=b, i=i, kv_block=kv_block))
 
   @pl.when(j == plan.kv_steps - 1)
   def _finish():
@@ -109,76 +56,42 @@ def _dq_kernel(*refs, plan: Plan):
         r["dq"].dtype)
 
 
-def _dkv_kernel(*refs, plan: Plan, groups: int):
-  (visits_ref, count_ref), length_refs, r = _split(
-      refs, plan, ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids",
-                   "dk", "dv", "counter", "dk_acc", "dv_acc"))
-  b, ki = pl.program_id(0), pl.program_id(2)
-  g, j = pl.program_id(3), pl.program_id(4)
-  sb = b if plan.per_batch else 0
-  count = count_ref[sb, ki]
-  q_block, cls = common.visit_at(visits_ref, count_ref, sb, ki, j)
-
-  @pl.when((g == 0) & (j == 0))
-  def _init():
-    r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
-    r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] = jnp.zeros(r["counter"].shape, jnp.int32)
-
-  def step(masked: bool):
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    s, tanh = common.logits(k, q, plan)  # [bkv, bq]
-    visible = None
-    if masked:
-      q_start = q_block * plan.block_q
-      s, visible = common.apply_mask(
-          s, plan, q_start=q_start, kv_start=ki * plan.block_kv,
-          transposed=True, lengths=common.lengths_of(plan, length_refs, b),
-          q_ids=None if r["q_ids"] is None else r["q_ids"][...],
-          kv_ids=None if r["kv_ids"] is None else r["kv_ids"][...])
-      if plan.q_tail:
-        q = common.zero_rows_past(q, q_start, plan.rules.q_len)
-        do = common.zero_rows_past(do, q_start, plan.rules.q_len)
-    p = jnp.exp(s - r["lse"][...])  # lse row [1, bq]
-    if visible is not None:
-      p = jnp.where(visible, p, 0.0)  # the statistics past T are unspecified
-    r["dv_acc"][...] += lax.dot_general(
-        p.astype(do.dtype), do, common.NN_DIMS,
-        precision=common.precision_for(do.dtype),
-        preferred_element_type=jnp.float32)
-    dp = lax.dot_general(v, do, common.NT_DIMS,
-                         precision=common.precision_for(v.dtype),
-                         preferred_element_type=jnp.float32)
-    ds = p * (dp - r["delta"][...])
-    if tanh is not None:
-      ds = ds * (1.0 - tanh * tanh)
-    if visible is not None:
-      ds = jnp.where(visible, ds, 0.0)
-    r["dk_acc"][...] += lax.dot_general(
-        ds.astype(q.dtype), q, common.NN_DIMS,
-        precision=common.precision_for(q.dtype),
-        preferred_element_type=jnp.float32)
-    if r["counter"] is not None:
-      r["counter"][...] += 1
-
-  common.when_visited(count, j, cls, step)
-
-  @pl.when((g == groups - 1) & (j == plan.q_steps - 1))
-  def _finish():
-    r["dk"][...] = (r["dk_acc"][...] * jnp.float32(plan.scale)).astype(
-        r["dk"].dtype)
-    r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
-
-
-def _segment_operands(mask: masks.AttentionMask):
-  return (*common.segment_layouts(mask.q_segment_ids),
-          *common.segment_layouts(mask.kv_segment_ids))
+def _dq_step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
+  """Adds one tile's ``dS @ K`` to the dQ accumulator."""
+  q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+  s, tanh = common.logits(q, k, plan)
+  visible = None
+  if masked:
+    kv_start = kv_block * plan.block_kv
+    s, visible = common.apply_mask(
+        s, plan, q_start=i * plan.block_q, kv_start=kv_start,
+        transposed=False, lengths=common.lengths_of(r, b),
+        q_ids=r["q_ids"][...] if plan.has_segments else None,
+        kv_ids=r["kv_ids"][...] if plan.has_segments else None)
+    if plan.kv_tail:
+      k = common.zero_rows_past(k, kv_start, plan.rules.kv_len)
+  lse = r["lse"][0][:, None]  # [1, bq] row -> [bq, 1] column
+  delta = r["delta"][0][:, None]
+  p = jnp.exp(s - lse)
+  dp = lax.dot_general(do, v, common.NT_DIMS,
+                       precision=common.precision_for(v.dtype),
+                       preferred_element_type=jnp.float32)
+  ds = p * (dp - delta)
+  if tanh is not None:
+    ds = ds * (1.0 - tanh * tanh)
+  if visible is not None:
+    # Hidden pairs contribute exactly 0, whatever lies past the sequence
+    # ends (rows of dO, the statistics, and V there are unspecified).
+    ds = jnp.where(visible, ds, jnp.float32(0))
+  r["acc"][...] += lax.dot_general(
+      ds.astype(k.dtype), k, common.NN_DIMS,
+      precision=common.precision_for(k.dtype),
+      preferred_element_type=jnp.float32)
 
 
 def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
        mask: masks.AttentionMask, meta: Metadata, plan: Plan,
-       out_dtype) -> tuple[Array, ...]:
+       out_dtype) -> Array:
   """dQ on kernel-layout operands.
 
   Args:
@@ -190,8 +103,7 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     out_dtype: dtype of dQ.
 
   Returns:
-    ``dq [B, N, T, Hp]`` and, with ``plan.count_visits``, the visit
-    counter ``[B, N, nq, 8, 128]``.
+    ``dq [B, N, T, Hp]``.
   """
   batch, heads, _, hp = q.shape
   groups = heads // k.shape[1]
@@ -202,7 +114,8 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     return common.visit_at(visits, count, sb, i, j)[0]
 
   def kv_map(b, n, i, j, visits, count, *_):
-    return b, lax.div(n, groups), kv_block(b, i, j, visits, count), 0
+    return b, lax.div(n, jnp.int32(groups)), kv_block(b, i, j, visits,
+                                                       count), 0
 
   def q_map(b, n, i, j, *_):
     return b, n, i, 0
@@ -210,49 +123,103 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
   def row_map(b, n, i, j, *_):
     return b, n, 0, i
 
-  operands = [q, k, v, do, lse, delta]
-  in_specs = [pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, 1, bq), row_map),
-              pl.BlockSpec((None, None, 1, bq), row_map)]
+  q_spec = common.block_spec((None, None, bq, hp), q_map)
+  kv_spec = common.block_spec((None, None, bkv, hp), kv_map)
+  row_spec = common.block_spec((None, None, 1, bq), row_map)
+  inputs = {"q": (q, q_spec), "k": (k, kv_spec), "v": (v, kv_spec),
+            "do": (do, q_spec), "lse": (lse, row_spec),
+            "delta": (delta, row_spec)}
   if plan.has_segments:
-    q_col, _, _, kv_row = _segment_operands(mask)
-    operands += [q_col, kv_row]
-    in_specs += [
-        pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
-        pl.BlockSpec((None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
-            b, 0, kv_block(b, i, j, visits, count)))]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
-  out_specs = [pl.BlockSpec((None, None, bq, hp), q_map)]
-  if plan.count_visits:
-    spec, shape = common.counter_spec(lambda b, n, i, j, *_: (b, n, i, 0, 0))
-    out_specs.append(spec)
-    out_shape.append(shape(batch, heads, plan.num_q))
-  scalars = [meta.kv_visits, meta.kv_count, *common.length_operands(mask)]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(scalars),
+    q_col, _ = common.segment_layouts(mask.q_segment_ids)
+    _, kv_row = common.segment_layouts(mask.kv_segment_ids)
+    inputs["q_ids"] = (q_col, common.block_spec(
+        (None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)))
+    inputs["kv_ids"] = (kv_row, common.block_spec(
+        (None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
+            b, 0, kv_block(b, i, j, visits, count))))
+  operands = common.KernelOperands(
+      scalars=common.scalar_operands(meta.kv_visits, meta.kv_count, mask),
+      inputs=inputs,
+      outputs={"dq": (jax.ShapeDtypeStruct(q.shape, out_dtype), q_spec)},
+      scratch={"acc": pltpu.VMEM((bq, hp), jnp.float32)})
+  return common.call_kernel(
+      functools.partial(_dq_kernel, plan=plan), operands, plan=plan,
       grid=(batch, heads, plan.num_q, plan.kv_steps),
-      in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((bq, hp), jnp.float32)])
-  return pl.pallas_call(
-      functools.partial(_dq_kernel, plan=plan),
-      grid_spec=grid_spec, out_shape=out_shape,
-      compiler_params=plan.compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=plan.interpret, name="jflash_mosaic_tpu_dq",
-  )(*scalars, *operands)
+      semantics=("parallel", "parallel", "parallel", "arbitrary"),
+      name="jflash_mosaic_tpu_dq")[0]
+
+
+# ------------------------------------------------------------------- dK/dV
+def _dkv_kernel(r: dict, *, plan: Plan, groups: int):
+  """One grid step ``(b, h, ki, g, j)``: step ``j`` of key block ``ki``'s
+  query block visits, for query head ``g`` of key/value head ``h`` (refs by
+  name, see :func:`dkv`)."""
+  b, ki = pl.program_id(0), pl.program_id(2)
+  g, j = pl.program_id(3), pl.program_id(4)
+  sb = b if plan.per_batch else 0
+  count = r["count"][sb, ki]
+  q_block, cls = common.visit_at(r["visits"], r["count"], sb, ki, j)
+
+  @pl.when((g == 0) & (j == 0))
+  def _init():
+    r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
+    r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
+
+  common.when_visited(count, j, cls, functools.partial(
+      _dkv_step, r, plan=plan, b=b, ki=ki, q_block=q_block))
+
+  @pl.when((g == groups - 1) & (j == plan.q_steps - 1))
+  def _finish():
+    r["dk"][...] = (r["dk_acc"][...] * jnp.float32(plan.scale)).astype(
+        r["dk"].dtype)
+    r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
+
+
+def _dkv_step(r: dict, masked: bool, *, plan: Plan, b, ki, q_block) -> None:
+  """Adds one transposed tile's ``P.T @ dO`` and ``dS.T @ Q`` to the dV and
+  dK accumulators."""
+  q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+  s, tanh = common.logits(k, q, plan)  # [bkv, bq]
+  visible = None
+  if masked:
+    q_start = q_block * plan.block_q
+    s, visible = common.apply_mask(
+        s, plan, q_start=q_start, kv_start=ki * plan.block_kv,
+        transposed=True, lengths=common.lengths_of(r, b),
+        q_ids=r["q_ids"][...] if plan.has_segments else None,
+        kv_ids=r["kv_ids"][...] if plan.has_segments else None)
+    if plan.q_tail:
+      q = common.zero_rows_past(q, q_start, plan.rules.q_len)
+      do = common.zero_rows_past(do, q_start, plan.rules.q_len)
+  p = jnp.exp(s - r["lse"][...])  # lse row [1, bq]
+  if visible is not None:
+    # The statistics past T are unspecified.
+    p = jnp.where(visible, p, jnp.float32(0))
+  r["dv_acc"][...] += lax.dot_general(
+      p.astype(do.dtype), do, common.NN_DIMS,
+      precision=common.precision_for(do.dtype),
+      preferred_element_type=jnp.float32)
+  dp = lax.dot_general(v, do, common.NT_DIMS,
+                       precision=common.precision_for(v.dtype),
+                       preferred_element_type=jnp.float32)
+  ds = p * (dp - r["delta"][...])
+  if tanh is not None:
+    ds = ds * (1.0 - tanh * tanh)
+  if visible is not None:
+    ds = jnp.where(visible, ds, jnp.float32(0))
+  r["dk_acc"][...] += lax.dot_general(
+      ds.astype(q.dtype), q, common.NN_DIMS,
+      precision=common.precision_for(q.dtype),
+      preferred_element_type=jnp.float32)
 
 
 def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
         mask: masks.AttentionMask, meta: Metadata, plan: Plan,
-        out_dtype) -> tuple[Array, ...]:
+        out_dtype) -> tuple[Array, Array]:
   """dK and dV on kernel-layout operands (shapes as for :func:`dq`).
 
   Returns:
-    ``dk``, ``dv`` ``[B, K, S, Hp]`` and, with ``plan.count_visits``, the
-    visit counter ``[B, K, nk, 8, 128]`` (summed over the query-head group).
+    ``dk``, ``dv`` ``[B, K, S, Hp]``.
   """
   batch, heads, _, hp = q.shape
   kv_heads = k.shape[1]
@@ -272,40 +239,31 @@ def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
   def kv_map(b, h, ki, g, j, *_):
     return b, h, ki, 0
 
-  operands = [q, k, v, do, lse, delta]
-  in_specs = [pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bkv, hp), kv_map),
-              pl.BlockSpec((None, None, bq, hp), q_map),
-              pl.BlockSpec((None, None, 1, bq), row_map),
-              pl.BlockSpec((None, None, 1, bq), row_map)]
+  q_spec = common.block_spec((None, None, bq, hp), q_map)
+  kv_spec = common.block_spec((None, None, bkv, hp), kv_map)
+  row_spec = common.block_spec((None, None, 1, bq), row_map)
+  inputs = {"q": (q, q_spec), "k": (k, kv_spec), "v": (v, kv_spec),
+            "do": (do, q_spec), "lse": (lse, row_spec),
+            "delta": (delta, row_spec)}
   if plan.has_segments:
-    _, q_row, kv_col, _ = _segment_operands(mask)
-    operands += [q_row, kv_col]
-    in_specs += [
-        pl.BlockSpec((None, 1, bq), lambda b, h, ki, g, j, visits, count, *_: (
-            b, 0, q_block(b, ki, j, visits, count))),
-        pl.BlockSpec((None, bkv, 1), lambda b, h, ki, g, j, *_: (b, ki, 0))]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, out_dtype),
-               jax.ShapeDtypeStruct(v.shape, out_dtype)]
-  out_specs = [pl.BlockSpec((None, None, bkv, hp), kv_map),
-               pl.BlockSpec((None, None, bkv, hp), kv_map)]
-  if plan.count_visits:
-    spec, shape = common.counter_spec(
-        lambda b, h, ki, g, j, *_: (b, h, ki, 0, 0))
-    out_specs.append(spec)
-    out_shape.append(shape(batch, kv_heads, plan.num_kv))
-  scalars = [meta.q_visits, meta.q_count, *common.length_operands(mask)]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(scalars),
-      grid=(batch, kv_heads, plan.num_kv, groups, plan.q_steps),
-      in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((bkv, hp), jnp.float32),
-                      pltpu.VMEM((bkv, hp), jnp.float32)])
-  return pl.pallas_call(
-      functools.partial(_dkv_kernel, plan=plan, groups=groups),
-      grid_spec=grid_spec, out_shape=out_shape,
-      compiler_params=plan.compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-      interpret=plan.interpret, name="jflash_mosaic_tpu_dkv",
-  )(*scalars, *operands)
+    _, q_row = common.segment_layouts(mask.q_segment_ids)
+    kv_col, _ = common.segment_layouts(mask.kv_segment_ids)
+    inputs["q_ids"] = (q_row, common.block_spec(
+        (None, 1, bq), lambda b, h, ki, g, j, visits, count, *_: (
+            b, 0, q_block(b, ki, j, visits, count))))
+    inputs["kv_ids"] = (kv_col, common.block_spec(
+        (None, bkv, 1), lambda b, h, ki, g, j, *_: (b, ki, 0)))
+  operands = common.KernelOperands(
+      scalars=common.scalar_operands(meta.q_visits, meta.q_count, mask),
+      inputs=inputs,
+      outputs={"dk": (jax.ShapeDtypeStruct(k.shape, out_dtype), kv_spec),
+               "dv": (jax.ShapeDtypeStruct(v.shape, out_dtype), kv_spec)},
+      scratch={"dk_acc": pltpu.VMEM((bkv, hp), jnp.float32),
+               "dv_acc": pltpu.VMEM((bkv, hp), jnp.float32)})
+  dk, dv = common.call_kernel(
+      functools.partial(_dkv_kernel, plan=plan, groups=groups), operands,
+      plan=plan, grid=(batch, kv_heads, plan.num_kv, groups, plan.q_steps),
+      semantics=("parallel", "parallel", "parallel", "arbitrary",
+                 "arbitrary"),
+      name="jflash_mosaic_tpu_dkv")
+  return dk, dv

@@ -1,6 +1,7 @@
 """What the three ``mosaic_tpu`` kernels share: the static plan of a call,
 the kernel layout of the operands, the tile-visit metadata passed by scalar
-prefetch, and the per-tile logits and element mask.
+prefetch, the named-operand ``pallas_call``, and the per-tile logits and
+element mask.
 
 Kernel layout: ``[B, N, T, Hp]`` for query-side arrays and
 ``[B, K, S, Hp]`` for keys and values, head dims padded to 128 lanes with
@@ -49,11 +50,10 @@ class Plan:
     per_batch: the schedule has one entry per batch row (lengths or segment
       ids are present and the per-row schedule fits SMEM); otherwise one
       entry serves every row.
-    has_q_lengths, has_kv_lengths, has_segments: which per-row data the
-      kernels receive.
+    has_segments: the kernels receive segment ids (lengths reach them by
+      scalar prefetch, see :func:`scalar_operands`).
     interpret: ``pallas_call``'s ``interpret`` argument.
     vmem_limit_bytes: scoped VMEM per kernel.
-    count_visits: add an output counting the tiles each kernel computes.
   """
 
   scale: float
@@ -67,12 +67,9 @@ class Plan:
   q_steps: int
   head_dim: int
   per_batch: bool
-  has_q_lengths: bool
-  has_kv_lengths: bool
   has_segments: bool
   interpret: Any
   vmem_limit_bytes: int
-  count_visits: bool = False
 
   @property
   def q_tail(self) -> bool:
@@ -83,11 +80,6 @@ class Plan:
   def kv_tail(self) -> bool:
     """The last key block hangs over the end of the keys."""
     return self.rules.kv_len % self.block_kv != 0
-
-  @property
-  def num_lengths(self) -> int:
-    """How many length arrays follow the visit lists in scalar prefetch."""
-    return int(self.has_q_lengths) + int(self.has_kv_lengths)
 
   def compiler_params(self, semantics: tuple[str, ...]):
     """Mosaic parameters of a kernel with grid axes ``semantics``."""
@@ -149,7 +141,10 @@ def visit_at(visits, count, sb, row, j):
   """
   last = jnp.maximum(count[sb, row] - 1, 0)
   entry = visits[sb, row, jnp.minimum(j, last)]
-  return lax.shift_right_logical(entry, 2), lax.bitwise_and(entry, 3)
+  # lax's bit operations take no weakly typed Python ints: int32 operands,
+  # also under jax_enable_x64.
+  return (lax.shift_right_logical(entry, jnp.int32(2)),
+          lax.bitwise_and(entry, jnp.int32(3)))
 
 
 # ------------------------------------------------------------------ layout
@@ -185,10 +180,71 @@ def segment_layouts(ids: Array) -> tuple[Array, Array]:
   return ids[:, :, None], ids[:, None, :]
 
 
-def length_operands(mask: masks.AttentionMask) -> list[Array]:
-  """The per-row lengths passed by scalar prefetch, in kernel order."""
-  return [x.astype(jnp.int32) for x in (mask.q_lengths, mask.kv_lengths)
-          if x is not None]
+def scalar_operands(visits: Array, count: Array,
+                    mask: masks.AttentionMask) -> dict[str, Array]:
+  """What a kernel reads from SMEM by scalar prefetch: its visit list and
+  counts, then the per-row lengths the call has (``q_lengths``,
+  ``kv_lengths``)."""
+  scalars = {"visits": visits, "count": count}
+  for name in ("q_lengths", "kv_lengths"):
+    lengths = getattr(mask, name)
+    if lengths is not None:
+      scalars[name] = lengths.astype(jnp.int32)
+  return scalars
+
+
+def block_spec(block_shape: tuple, index_map) -> pl.BlockSpec:
+  """``pl.BlockSpec(block_shape, index_map)`` with the block indices cast
+  to int32: a literal ``0`` in an index map is int64 under
+  ``jax_enable_x64``, and the kernels' index math is int32 throughout."""
+  def int32_map(*args):
+    return tuple(jnp.asarray(x, jnp.int32) for x in index_map(*args))
+  return pl.BlockSpec(block_shape, int32_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOperands:
+  """One kernel's operands by name, in the order ``pallas_call`` hands
+  their refs to the kernel: scalar prefetch, blocked inputs, outputs,
+  scratch.  The kernel body receives them as one ``{name: ref}`` dict.
+
+  Attributes:
+    scalars: SMEM arrays (:func:`scalar_operands`).
+    inputs: ``{name: (array, block spec)}``.
+    outputs: ``{name: (jax.ShapeDtypeStruct, block spec)}``.
+    scratch: ``{name: pltpu.VMEM(...)}``.
+  """
+
+  scalars: dict[str, Array]
+  inputs: dict[str, tuple[Array, pl.BlockSpec]]
+  outputs: dict[str, tuple[jax.ShapeDtypeStruct, pl.BlockSpec]]
+  scratch: dict[str, Any]
+
+
+def call_kernel(body, operands: KernelOperands, *, plan: Plan,
+                grid: tuple[int, ...], semantics: tuple[str, ...],
+                name: str) -> list[Array]:
+  """``pallas_call`` of ``body(refs)`` (``refs`` the ``{name: ref}`` dict of
+  ``operands``) over ``grid``; returns the outputs in the order of
+  ``operands.outputs``."""
+  names = [*operands.scalars, *operands.inputs, *operands.outputs,
+           *operands.scratch]
+
+  def kernel(*refs):
+    body(dict(zip(names, refs, strict=True)))
+
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(operands.scalars), grid=grid,
+      in_specs=[spec for _, spec in operands.inputs.values()],
+      out_specs=[spec for _, spec in operands.outputs.values()],
+      scratch_shapes=list(operands.scratch.values()))
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=[shape for shape, _ in operands.outputs.values()],
+      compiler_params=plan.compiler_params(semantics),
+      interpret=plan.interpret, name=name,
+  )(*operands.scalars.values(),
+    *(array for array, _ in operands.inputs.values()))
 
 
 # ------------------------------------------------------------ kernel side
@@ -198,11 +254,11 @@ def precision_for(dtype) -> lax.Precision | None:
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def lengths_of(plan: Plan, length_refs, b) -> tuple[Array | None, Array | None]:
-  """This batch row's ``(q_length, kv_length)`` scalars from SMEM."""
-  refs = iter(length_refs)
-  q_length = next(refs)[b] if plan.has_q_lengths else None
-  kv_length = next(refs)[b] if plan.has_kv_lengths else None
+def lengths_of(refs: dict[str, Any], b) -> tuple[Array | None, Array | None]:
+  """This batch row's ``(q_length, kv_length)`` scalars from SMEM (None for
+  a length the call does not have)."""
+  q_length = refs["q_lengths"][b] if "q_lengths" in refs else None
+  kv_length = refs["kv_lengths"][b] if "kv_lengths" in refs else None
   return q_length, kv_length
 
 
@@ -244,7 +300,7 @@ def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
   visible = masks.visibility_at(plan.rules, q_idx, kv_idx,
                                 q_length=lengths[0], kv_length=lengths[1],
                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-  return jnp.where(visible, s, -jnp.inf), visible
+  return jnp.where(visible, s, jnp.float32(-jnp.inf)), visible
 
 
 def zero_rows_past(x: Array, start, length: int) -> Array:
@@ -267,13 +323,3 @@ def when_visited(count, j, cls, step) -> None:
   @pl.when(visited & (cls != masks.FULL))
   def _partial():
     step(True)
-
-
-def counter_spec(index_map) -> tuple[pl.BlockSpec, Any]:
-  """Block spec of a visit counter (one ``[8, 128]`` int32 tile per grid
-  row) and the function that makes its output shape."""
-  spec = pl.BlockSpec((None, None, None, 8, 128), index_map)
-
-  def shape(*lead):
-    return jax.ShapeDtypeStruct((*lead, 8, 128), jnp.int32)
-  return spec, shape

@@ -26,77 +26,66 @@ from jflash.backends.mosaic_tpu.config import LANES
 Array = jax.Array
 
 
-def _kernel(*refs, plan: Plan):
-  n_lengths = plan.num_lengths
-  visits_ref, count_ref = refs[:2]
-  length_refs = refs[2:2 + n_lengths]
-  refs = list(refs[2 + n_lengths:])
-  q_ref, k_ref, v_ref = refs[:3]
-  del refs[:3]
-  q_ids_ref = kv_ids_ref = None
-  if plan.has_segments:
-    q_ids_ref, kv_ids_ref = refs[:2]
-    del refs[:2]
-  o_ref, lse_ref = refs[:2]
-  del refs[:2]
-  counter_ref = refs.pop(0) if plan.count_visits else None
-  m_ref, l_ref, acc_ref = refs
-
+def _kernel(r: dict, *, plan: Plan):
+  """One grid step ``(b, n, i, j)``: step ``j`` of query block ``i``'s key
+  block visits (refs by name, see :func:`forward`)."""
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   sb = b if plan.per_batch else 0
-  count = count_ref[sb, i]
-  kv_block, cls = common.visit_at(visits_ref, count_ref, sb, i, j)
+  count = r["count"][sb, i]
+  kv_block, cls = common.visit_at(r["visits"], r["count"], sb, i, j)
+  pl.when(j == 0)(functools.partial(_init, r))
+  common.when_visited(count, j, cls, functools.partial(
+      _step, r, plan=plan, b=b, i=i, kv_block=kv_block))
+  pl.when(j == plan.kv_steps - 1)(functools.partial(_finish, r))
 
-  @pl.when(j == 0)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    if counter_ref is not None:
-      counter_ref[...] = jnp.zeros(counter_ref.shape, jnp.int32)
 
-  def step(masked: bool):
-    q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, _ = common.logits(q, k, plan)
-    if masked:
-      kv_start = kv_block * plan.block_kv
-      s, _ = common.apply_mask(
-          s, plan, q_start=i * plan.block_q, kv_start=kv_start,
-          transposed=False, lengths=common.lengths_of(plan, length_refs, b),
-          q_ids=None if q_ids_ref is None else q_ids_ref[...],
-          kv_ids=None if kv_ids_ref is None else kv_ids_ref[...])
-      if plan.kv_tail:
-        v = common.zero_rows_past(v, kv_start, plan.rules.kv_len)
-    m_prev = m_ref[...]
-    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    # A row that has seen no key yet keeps -inf; subtracting 0 instead keeps
-    # exp() at 0 rather than NaN.
-    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-    p = jnp.exp(s - m_safe[:, :1])
-    alpha = jnp.exp(m_prev - m_safe)
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    pv = lax.dot_general(p.astype(v.dtype), v, common.NN_DIMS,
-                         precision=common.precision_for(v.dtype),
-                         preferred_element_type=jnp.float32)
-    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
-    m_ref[...] = m_new
-    if counter_ref is not None:
-      counter_ref[...] += 1
+def _init(r: dict) -> None:
+  r["m"][...] = jnp.full(r["m"].shape, -jnp.inf, jnp.float32)
+  r["l"][...] = jnp.zeros(r["l"].shape, jnp.float32)
+  r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
-  common.when_visited(count, j, cls, step)
 
-  @pl.when(j == plan.kv_steps - 1)
-  def _finish():
-    l, m = l_ref[...], m_ref[...]
-    empty = l == 0.0  # no visible key: zeros and a logsumexp of -inf
-    safe_l = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc_ref[...] / safe_l[:, :1]).astype(o_ref.dtype)
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe_l))  # [bq, 128]
-    lse_ref[...] = jnp.transpose(lse)[:1, :]
+def _step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
+  """Online softmax over one tile: the element mask only when ``masked``."""
+  q, k, v = r["q"][...], r["k"][...], r["v"][...]
+  s, _ = common.logits(q, k, plan)
+  if masked:
+    kv_start = kv_block * plan.block_kv
+    s, _ = common.apply_mask(
+        s, plan, q_start=i * plan.block_q, kv_start=kv_start,
+        transposed=False, lengths=common.lengths_of(r, b),
+        q_ids=r["q_ids"][...] if plan.has_segments else None,
+        kv_ids=r["kv_ids"][...] if plan.has_segments else None)
+    if plan.kv_tail:
+      v = common.zero_rows_past(v, kv_start, plan.rules.kv_len)
+  m_prev = r["m"][...]
+  m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+  # A row that has seen no key yet keeps -inf; subtracting 0 instead keeps
+  # exp() at 0 rather than NaN.
+  m_safe = jnp.where(jnp.isneginf(m_new), jnp.float32(0), m_new)
+  p = jnp.exp(s - m_safe[:, :1])
+  alpha = jnp.exp(m_prev - m_safe)
+  r["l"][...] = alpha * r["l"][...] + p.sum(axis=1, keepdims=True)
+  pv = lax.dot_general(p.astype(v.dtype), v, common.NN_DIMS,
+                       precision=common.precision_for(v.dtype),
+                       preferred_element_type=jnp.float32)
+  r["acc"][...] = r["acc"][...] * alpha[:, :1] + pv
+  r["m"][...] = m_new
+
+
+def _finish(r: dict) -> None:
+  """Writes the output and the logsumexp row after the last step."""
+  l, m = r["l"][...], r["m"][...]
+  empty = l == 0.0  # no visible key: zeros and a logsumexp of -inf
+  safe_l = jnp.where(empty, jnp.float32(1), l)
+  r["out"][...] = (r["acc"][...] / safe_l[:, :1]).astype(r["out"].dtype)
+  lse = jnp.where(empty, jnp.float32(-jnp.inf),
+                  m + jnp.log(safe_l))  # [bq, 128]
+  r["lse"][...] = jnp.transpose(lse)[:1, :]
 
 
 def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
-            meta: Metadata, plan: Plan, out_dtype) -> tuple[Array, ...]:
+            meta: Metadata, plan: Plan, out_dtype) -> tuple[Array, Array]:
   """Runs the forward kernel on kernel-layout operands.
 
   Args:
@@ -109,60 +98,51 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
       take ``delta`` from it).
 
   Returns:
-    ``out [B, N, T, Hp]``, ``lse [B, N, 1, T]`` float32 and, with
-    ``plan.count_visits``, the visit counter ``[B, N, nq, 8, 128]``.
+    ``out [B, N, T, Hp]`` and ``lse [B, N, 1, T]`` float32.
   """
   batch, heads, _, hp = q.shape
   groups = heads // k.shape[1]
   bq, bkv = plan.block_q, plan.block_kv
 
+  def q_map(b, n, i, j, *_):
+    return b, n, i, 0
+
+  def kv_block(b, i, j, visits, count):
+    sb = b if plan.per_batch else 0
+    return common.visit_at(visits, count, sb, i, j)[0]
+
   def kv_map(b, n, i, j, visits, count, *_):
-    sb = b if plan.per_batch else 0
-    block, _ = common.visit_at(visits, count, sb, i, j)
-    return b, lax.div(n, groups), block, 0
+    block = kv_block(b, i, j, visits, count)
+    return b, lax.div(n, jnp.int32(groups)), block, 0
 
-  def kv_ids_map(b, n, i, j, visits, count, *_):
-    sb = b if plan.per_batch else 0
-    block, _ = common.visit_at(visits, count, sb, i, j)
-    return b, 0, block
-
-  operands = [q, k, v]
-  in_specs = [
-      pl.BlockSpec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bkv, hp), kv_map),
-      pl.BlockSpec((None, None, bkv, hp), kv_map),
-  ]
+  inputs = {"q": (q, common.block_spec((None, None, bq, hp), q_map)),
+            "k": (k, common.block_spec((None, None, bkv, hp), kv_map)),
+            "v": (v, common.block_spec((None, None, bkv, hp), kv_map))}
   if plan.has_segments:
     q_col, _ = common.segment_layouts(mask.q_segment_ids)
     _, kv_row = common.segment_layouts(mask.kv_segment_ids)
-    operands += [q_col, kv_row]
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)),
-                 pl.BlockSpec((None, 1, bkv), kv_ids_map)]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype),
-               jax.ShapeDtypeStruct((batch, heads, 1, q.shape[2]),
-                                    jnp.float32)]
-  out_specs = [
-      pl.BlockSpec((None, None, bq, hp), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, 1, bq), lambda b, n, i, j, *_: (b, n, 0, i)),
-  ]
-  if plan.count_visits:
-    spec, shape = common.counter_spec(
-        lambda b, n, i, j, *_: (b, n, i, 0, 0))
-    out_specs.append(spec)
-    out_shape.append(shape(batch, heads, plan.num_q))
-  scalars = [meta.kv_visits, meta.kv_count, *common.length_operands(mask)]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(scalars),
+    inputs["q_ids"] = (q_col, common.block_spec(
+        (None, bq, 1), lambda b, n, i, j, *_: (b, i, 0)))
+    inputs["kv_ids"] = (kv_row, common.block_spec(
+        (None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
+            b, 0, kv_block(b, i, j, visits, count))))
+  outputs = {
+      "out": (jax.ShapeDtypeStruct(q.shape, out_dtype),
+              common.block_spec((None, None, bq, hp), q_map)),
+      "lse": (jax.ShapeDtypeStruct((batch, heads, 1, q.shape[2]),
+                                   jnp.float32),
+              common.block_spec((None, None, 1, bq),
+                                lambda b, n, i, j, *_: (b, n, 0, i)))}
+  # Running max and sum, the row value repeated along the 128 lanes.
+  scratch = {"m": pltpu.VMEM((bq, LANES), jnp.float32),
+             "l": pltpu.VMEM((bq, LANES), jnp.float32),
+             "acc": pltpu.VMEM((bq, hp), jnp.float32)}
+  operands = common.KernelOperands(
+      scalars=common.scalar_operands(meta.kv_visits, meta.kv_count, mask),
+      inputs=inputs, outputs=outputs, scratch=scratch)
+  out, lse = common.call_kernel(
+      functools.partial(_kernel, plan=plan), operands, plan=plan,
       grid=(batch, heads, plan.num_q, plan.kv_steps),
-      in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
-                      pltpu.VMEM((bq, LANES), jnp.float32),
-                      pltpu.VMEM((bq, hp), jnp.float32)])
-  return pl.pallas_call(
-      functools.partial(_kernel, plan=plan),
-      grid_spec=grid_spec, out_shape=out_shape,
-      compiler_params=plan.compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=plan.interpret, name="jflash_mosaic_tpu_forward",
-  )(*scalars, *operands)
-
+      semantics=("parallel", "parallel", "parallel", "arbitrary"),
+      name="jflash_mosaic_tpu_forward")
+  return out, lse

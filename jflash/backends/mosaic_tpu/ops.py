@@ -29,14 +29,13 @@ def _kernel_dtype(dtype):
 
 def _run_forward(q, k, v, mask, meta: Metadata, plan: Plan, out_dtype):
   kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
-  results = forward.forward(
+  out, lse = forward.forward(
       common.to_kernel_layout(q.astype(kdt), hp),
       common.to_kernel_layout(k.astype(kdt), hp),
       common.to_kernel_layout(v.astype(kdt), hp), mask, meta, plan,
       out_dtype)
-  out = common.from_kernel_layout(results[0], q.shape[3])
-  lse = common.rows_from_kernel(results[1])
-  return out, lse, results[2:]
+  return (common.from_kernel_layout(out, q.shape[3]),
+          common.rows_from_kernel(lse))
 
 
 def _run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
@@ -55,13 +54,12 @@ def _run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
           common.to_kernel_layout(d_out.astype(kdt), hp),
           common.rows_to_kernel(lse), common.rows_to_kernel(delta),
           mask, meta, plan)
-  dq_results = backward.dq(*args, out_dtype=kdt)
-  dkv_results = backward.dkv(*args, out_dtype=kdt)
+  dq = backward.dq(*args, out_dtype=kdt)
+  dk, dv = backward.dkv(*args, out_dtype=kdt)
   h = q.shape[3]
-  dq = common.from_kernel_layout(dq_results[0], h).astype(q.dtype)
-  dk = common.from_kernel_layout(dkv_results[0], h).astype(k.dtype)
-  dv = common.from_kernel_layout(dkv_results[1], h).astype(v.dtype)
-  return dq, dk, dv, dq_results[1:], dkv_results[2:]
+  return (common.from_kernel_layout(dq, h).astype(q.dtype),
+          common.from_kernel_layout(dk, h).astype(k.dtype),
+          common.from_kernel_layout(dv, h).astype(v.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -69,8 +67,8 @@ def attention(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
               plan: Plan) -> tuple[Array, Array]:
   """``(out [B, T, N, H], logsumexp [B, T, N] float32)``, both
   differentiable in ``q``, ``k`` and ``v``."""
-  out, lse, _ = _run_forward(q, k, v, mask, common.metadata(mask, plan), plan,
-                             _kernel_dtype(q.dtype))
+  out, lse = _run_forward(q, k, v, mask, common.metadata(mask, plan), plan,
+                          _kernel_dtype(q.dtype))
   return out.astype(q.dtype), lse
 
 
@@ -78,34 +76,17 @@ def _attention_fwd(q, k, v, mask, plan):
   meta = common.metadata(mask, plan)
   # The backward pass takes delta from a float32 output: one rounded to
   # bfloat16 would cost dQ and dK several times its rounding error.
-  out, lse, _ = _run_forward(q, k, v, mask, meta, plan, jnp.float32)
+  out, lse = _run_forward(q, k, v, mask, meta, plan, jnp.float32)
   return (out.astype(q.dtype), lse), (q, k, v, mask, meta, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
   q, k, v, mask, meta, out, lse = residuals
   d_out, d_lse = cotangents
-  dq, dk, dv, _, _ = _run_backward(q, k, v, mask, meta, plan, out, lse,
-                                   d_out, d_lse)
+  dq, dk, dv = _run_backward(q, k, v, mask, meta, plan, out, lse, d_out,
+                             d_lse)
   return dq, dk, dv, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
 
-
-def tile_visits(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
-                plan: Plan) -> dict[str, Array]:
-  """Runs the three kernels with visit counters (``plan.count_visits``
-  must be set) and returns how many tiles each computed, per grid row:
-  ``forward`` and ``dq`` ``[B, N, nq]``, ``dkv`` ``[B, K, nk]`` (summed over
-  the query heads of each key/value head)."""
-  if not plan.count_visits:
-    raise ValueError("tile_visits needs a plan with count_visits=True")
-  meta = common.metadata(mask, plan)
-  out, lse, (fwd_count,) = _run_forward(q, k, v, mask, meta, plan,
-                                        jnp.float32)
-  _, _, _, (dq_count,), (dkv_count,) = _run_backward(
-      q, k, v, mask, meta, plan, out, lse, jnp.ones_like(out),
-      jnp.zeros_like(lse))
-  return {"forward": fwd_count[..., 0, 0], "dq": dq_count[..., 0, 0],
-          "dkv": dkv_count[..., 0, 0]}
