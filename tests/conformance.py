@@ -108,9 +108,6 @@ class AttentionConformance:
   head_dims = (32, 64, 80, 128, 256)
   # Sequence length of the feature tests: not a multiple of any block size.
   feature_len = 77
-  # A known defect under jax_enable_x64 (its issue): cases the backend
-  # serves are then expected to fail with x64 on, strictly.
-  x64_known_failure: str | None = None
 
   # ---------------------------------------------------------------- core
   @property
@@ -140,18 +137,6 @@ class AttentionConformance:
   def check_case(self, case: Case, dtype, seed: int):
     """Output, logsumexp and every gradient against the reference, each
     side computed in one compiled function."""
-    if (self.x64_known_failure and jax.config.jax_enable_x64
-        and self.supported(case, dtype)):
-      # A strict expected failure: passing means the mark is stale.
-      try:
-        self._check_case(case, dtype, seed)
-      except Exception:  # pylint: disable=broad-except
-        pytest.xfail(self.x64_known_failure)
-      pytest.fail("passes under jax_enable_x64 now; remove "
-                  f"x64_known_failure ({self.x64_known_failure})")
-    self._check_case(case, dtype, seed)
-
-  def _check_case(self, case: Case, dtype, seed: int):
     if not self.supported(case, dtype):
       # Declining loudly is the contract for what a backend cannot do.
       with pytest.raises(NotImplementedError):

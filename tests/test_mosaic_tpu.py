@@ -38,8 +38,6 @@ class TestMosaicTpuInterpret(conformance.AttentionConformance):
   # Bias broadcasting is declined as a whole (test_unsupported_features_
   # decline covers it).
   test_bias_broadcasting = None
-  x64_known_failure = ("issue 38 item 4: the backward's shift_right_logical "
-                       "mixes int32 and int64 under jax_enable_x64")
 
 
 def _call(rng, *, b=2, t=100, s=100, n=4, k=2, h=32, dtype=jnp.float32,
