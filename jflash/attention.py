@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jflash.backends import BACKENDS, default_order
+from jflash.backends import BACKENDS, default_order, dispatch
 from jflash.backends.base import AttentionCall, Backend
 from jflash.masks import AttentionMask
 
@@ -141,10 +142,11 @@ def _is_backend(x: Any) -> bool:
           and isinstance(getattr(x, "name", None), str))
 
 
-def _requested_backends(implementation: Any) -> tuple[Backend, ...]:
-  """The backends to try, in order."""
+def _requested_backends(implementation: Any) -> tuple[Backend, ...] | None:
+  """The backends to try, in order; None for the default order of each
+  lowering platform."""
   if implementation is None:
-    return tuple(BACKENDS[n] for n in default_order())
+    return None
   if isinstance(implementation, str) or _is_backend(implementation):
     entries = (implementation,)
   elif isinstance(implementation, Sequence):
@@ -246,19 +248,25 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
   return call, unbatched
 
 
-def _dispatch(call: AttentionCall,
-              backends: tuple[Backend, ...]) -> tuple[Array, Array, str]:
-  reasons = []
-  for backend in backends:
-    try:
-      out, lse = backend(call)
-    except NotImplementedError as err:
-      reasons.append(str(err))
-      continue
-    return out, lse, backend.name
-  raise NotImplementedError(
-      f"no backend in {[b.name for b in backends]} can serve this call "
-      f"({call.shape_description}):\n  " + "\n  ".join(reasons))
+def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
+              platform: str | None = None) -> tuple[Array, Array, str]:
+  """``(out, lse, name of the backend chosen for platform)``.
+
+  ``backends=None`` (``implementation=None``): each lowering platform's
+  default order, the branches joined with ``lax.platform_dependent``; the
+  name reported is the host's choice unless ``platform`` names another.
+  """
+  if platform is not None:
+    call = dataclasses.replace(call, platform=platform)
+  if backends is not None:
+    return dispatch.run(call, backends)
+  orders = {p: tuple(BACKENDS[n] for n in default_order(p))
+            for p in dispatch.PLATFORMS}
+  if platform is not None:
+    return dispatch.run(call, orders[platform])
+  out, lse, names = dispatch.run_per_platform(call, orders)
+  host = dispatch.host_platform()
+  return out, lse, names.get(host, names.get("cpu"))
 
 
 def dot_product_attention(
@@ -377,10 +385,26 @@ def selected_implementation(
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> str:
   """The name of the backend that :func:`dot_product_attention` would use
   for these arguments (same signature).  Traces abstractly; computes
-  nothing."""
+  nothing.
+
+  Args:
+    platform: with ``implementation=None``, the lowering platform to report
+      the choice for (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default:
+      this host's).  A jitted call holds one branch per platform and runs
+      the lowered platform's.
+  """
+  if platform is not None:
+    default_order(platform)  # validates the name
+    if platform == "gpu":
+      platform = "cuda"
+  elif implementation is None:
+    platform = dispatch.host_platform()
+    if platform not in dispatch.PLATFORMS:
+      platform = "cpu"
   chosen = []
 
   def trace(query, key, value, bias, mask, query_seq_lengths,
@@ -392,7 +416,8 @@ def selected_implementation(
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, return_residual=return_residual,
         interpret=interpret)
-    chosen.append(_dispatch(call, _requested_backends(implementation))[2])
+    chosen.append(_dispatch(call, _requested_backends(implementation),
+                            platform)[2])
     return 0
 
   jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,

@@ -24,18 +24,34 @@ BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
 })
 
 
-def default_order(platform: str | None = None) -> tuple[str, ...]:
-  """Backends tried for ``implementation=None`` on ``platform`` (default:
-  ``jax.default_backend()``).  Always ends with ``"xla"``, which serves
-  every valid call."""
-  platform = platform or jax.default_backend()
-  if platform == "gpu":
+_ORDERS = {
     # cuDNN first while it is measured faster on dense shapes
     # (docs/performance.md); mosaic_gpu serves what it declines.
-    return ("cudnn", "mosaic_gpu", "xla")
-  if platform == "tpu":
-    return ("mosaic_tpu", "xla")
-  return ("xla",)
+    "cuda": ("cudnn", "mosaic_gpu", "xla"),
+    "rocm": ("xla",),
+    "tpu": ("mosaic_tpu", "xla"),
+    "cpu": ("xla",),
+}
+
+
+def default_order(platform: str | None = None) -> tuple[str, ...]:
+  """Backends tried for ``implementation=None`` on ``platform``: ``"cpu"``,
+  ``"cuda"`` (or ``"gpu"``, as ``jax.default_backend()`` names it),
+  ``"rocm"`` or ``"tpu"``; default: the platform this host lowers for.
+  Always ends with ``"xla"``, which serves every valid call.
+
+  Raises:
+    ValueError: ``platform`` is none of those.
+  """
+  if platform is None:
+    platform = jax.export.default_export_platform()
+  if platform == "gpu":
+    host = jax.export.default_export_platform()
+    platform = host if host in ("cuda", "rocm") else "cuda"
+  if platform not in _ORDERS:
+    raise ValueError(f"default_order: unknown platform {platform!r}; known: "
+                     f"{sorted(_ORDERS) + ['gpu']}")
+  return _ORDERS[platform]
 
 
 __all__ = ["AttentionCall", "Backend", "BACKENDS", "MosaicGpuBackend",
