@@ -258,6 +258,8 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
   """
   if platform is not None:
     call = dataclasses.replace(call, platform=platform)
+  if dispatch.needs_jax_derivatives(call):
+    return dispatch.run_differentiable(call, backends)
   if backends is not None:
     return dispatch.run(call, backends)
   orders = {p: tuple(BACKENDS[n] for n in default_order(p))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir, partial_eval
 
 from jflash.backends.base import AttentionCall, Backend
 from jflash.backends.xla import XlaBackend
@@ -157,6 +157,52 @@ def run_per_platform(call: AttentionCall,
   out, lse = lax.platform_dependent(*leaves, default=branches[default_key],
                                     **per_platform)
   return out, lse, names
+
+
+# ------------------------------------------------ derivatives JAX computes
+def needs_jax_derivatives(call: AttentionCall) -> bool:
+  """True when the call is traced under forward-mode differentiation
+  (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, Hessian-vector products)
+  or under two nested reverse-mode ones (``jax.grad`` of ``jax.grad``).
+  The backends' own backward passes (``jax.custom_vjp``) serve one level of
+  reverse mode only."""
+  arrays = (call.query, call.key, call.value, call.bias, call.mask)
+  forward, reverse = False, set()
+  for x in jax.tree.leaves(arrays):
+    while isinstance(x, jax.core.Tracer):
+      if hasattr(x, "primal") and hasattr(x, "tangent"):
+        # A JVP tracer whose tangent is being staged out belongs to a
+        # linearization (reverse mode), not to forward mode.
+        if (isinstance(x, ad.JVPTracer)
+            and not isinstance(x.tangent, partial_eval.JaxprTracer)):
+          forward = True
+        else:
+          reverse.add(id(x._trace))
+        x = x.primal
+      else:
+        x = getattr(x, "val", None)
+  return forward or len(reverse) > 1
+
+
+def run_differentiable(call: AttentionCall,
+                       backends: tuple[Backend, ...] | None
+                       ) -> tuple[Array, Array, str]:
+  """The ``xla`` formulation JAX differentiates itself (see
+  :func:`needs_jax_derivatives`): the first ``xla`` backend of
+  ``backends``, or the default one when ``backends`` is None."""
+  xla = next((b for b in (backends or (XlaBackend(),))
+              if isinstance(b, XlaBackend)), None)
+  if xla is None:
+    raise NotImplementedError(
+        "jflash.dot_product_attention: forward-mode derivatives (jax.jvp, "
+        "jax.jacfwd, jax.hessian) and reverse mode over reverse mode are "
+        "computed by the 'xla' backend's formulation, and implementation="
+        f"{[b.name for b in backends]} holds no 'xla' backend; pass "
+        "implementation=None or add 'xla'")
+  with jax.named_scope(f"jflash/{xla.name}"):
+    out, lse = xla.differentiable(call)
+  _log_choice(call, {"any platform": f"{xla.name} (derivatives by JAX)"})
+  return out, lse, xla.name
 
 
 # ------------------------------------------------- platform-restricted calls
