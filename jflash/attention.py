@@ -249,12 +249,15 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
 
 
 def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
-              platform: str | None = None) -> tuple[Array, Array, str]:
+              platform: str | None = None,
+              for_training: bool = False) -> tuple[Array, Array, str]:
   """``(out, lse, name of the backend chosen for platform)``.
 
   ``backends=None`` (``implementation=None``): each lowering platform's
-  default order, the branches joined with ``lax.platform_dependent``; the
-  name reported is the host's choice unless ``platform`` names another.
+  default orders (:func:`jflash.backends.call_orders`), the branches joined
+  with ``lax.platform_dependent``; the name reported is the host's choice.
+  With ``platform``, only that platform's order is traced, its training
+  order with ``for_training``.
   """
   if platform is not None:
     call = dataclasses.replace(call, platform=platform)
@@ -262,10 +265,9 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
     return dispatch.run_differentiable(call, backends)
   if backends is not None:
     return dispatch.run(call, backends)
-  orders = {p: tuple(BACKENDS[n] for n in default_order(p))
-            for p in dispatch.PLATFORMS}
   if platform is not None:
-    return dispatch.run(call, orders[platform])
+    return dispatch.run(call, dispatch.orders(call, platform)[for_training])
+  orders = {p: dispatch.orders(call, p) for p in dispatch.PLATFORMS}
   out, lse, names = dispatch.run_per_platform(call, orders)
   host = dispatch.host_platform()
   return out, lse, names.get(host, names.get("cpu"))
@@ -388,6 +390,7 @@ def selected_implementation(
     return_residual: bool = False,
     interpret: bool = False,
     platform: str | None = None,
+    for_training: bool = False,
 ) -> str:
   """The name of the backend that :func:`dot_product_attention` would use
   for these arguments (same signature).  Traces abstractly; computes
@@ -398,7 +401,12 @@ def selected_implementation(
       the choice for (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default:
       this host's).  A jitted call holds one branch per platform and runs
       the lowered platform's.
+    for_training: with ``implementation=None``, the backend of a call whose
+      derivative is taken (on Hopper GPUs it may differ from the backend of
+      a forward-only call; see ``docs/backends.md``).
   """
+  if not isinstance(for_training, (bool, np.bool_)):
+    raise ValueError(f"for_training must be a bool, got {for_training!r}")
   if platform is not None:
     default_order(platform)  # validates the name
     if platform == "gpu":
@@ -419,7 +427,7 @@ def selected_implementation(
         logits_soft_cap=logits_soft_cap, return_residual=return_residual,
         interpret=interpret)
     chosen.append(_dispatch(call, _requested_backends(implementation),
-                            platform)[2])
+                            platform, bool(for_training))[2])
     return 0
 
   jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,

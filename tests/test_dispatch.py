@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -190,3 +191,188 @@ def test_log_memo_is_bounded():
   for i in range(dispatch._LOG_MEMO_SIZE + 5):
     dispatch._log_choice(call, {"cpu": f"backend{i}"})
   assert len(dispatch._logged) == dispatch._LOG_MEMO_SIZE
+
+
+# ------------------------------------------------ per-call choice on Hopper
+def _canonical(q, k, v, **kwargs):
+  call, _ = jflash.attention._canonicalize(
+      q, k, v, None, None, scale=None,
+      is_causal=kwargs.get("is_causal", False),
+      query_seq_lengths=None,
+      key_value_seq_lengths=kwargs.get("key_value_seq_lengths"),
+      local_window_size=kwargs.get("local_window_size"), segment_ids=None,
+      logits_soft_cap=None)
+  return call
+
+
+def _shapes(t, h, n=4, kv_heads=4, dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((1, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((1, t, kv_heads, h), dtype)
+  return q, kv, kv
+
+
+def test_gpu_model_of_device_kinds():
+  from jflash.backends import gpu_table
+  assert gpu_table.gpu_model("NVIDIA H100 80GB HBM3") == "H100"
+  assert gpu_table.gpu_model("NVIDIA H200") == "H200"
+  assert gpu_table.gpu_model("TPU v5 lite") is None
+  assert gpu_table.gpu_model("cpu") is None
+
+
+def test_table_lookup_buckets_and_fallbacks():
+  from jflash.backends import gpu_table
+  E = gpu_table.Entry
+  table = (E("H100", 128, 1024, "causal", False, "bfloat16", "cudnn",
+             "mosaic_gpu", "a"),
+           E("H100", 128, 4096, "causal", False, "bfloat16", "mosaic_gpu",
+             "cudnn", "b"),
+           E("H100", 64, 4096, "none", False, "bfloat16", "mosaic_gpu",
+             "mosaic_gpu", "c"))
+
+  def find(gpu, t, h, **kwargs):
+    n_kv = kwargs.pop("kv_heads", 4)
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    q, k, v = (jnp.zeros(s.shape, s.dtype)
+               for s in _shapes(t, h, kv_heads=n_kv, dtype=dtype))
+    entry = gpu_table.lookup(gpu, _canonical(q, k, v, **kwargs), table)
+    return entry and entry.source
+
+  assert find("H100", 1024, 128, is_causal=True) == "a"
+  assert find("H100", 4096, 128, is_causal=True) == "b"
+  assert find("H100", 3000, 128, is_causal=True) == "b"  # log-nearest
+  assert find("H100", 1500, 128, is_causal=True) == "a"
+  assert find("H100", 64, 128, is_causal=True) == "a"
+  assert find("H100", 65536, 128, is_causal=True) == "b"
+  assert find("H100", 1024, 96, is_causal=True) == "a"  # runs at 128
+  assert find("H100", 1024, 40) == "c"  # runs at 64
+  assert find("H100", 1024, 64, is_causal=True) is None  # not measured
+  assert find("H100", 64, 264) is None  # above 256
+  assert find("H200", 1024, 128, is_causal=True) is None  # other model
+  assert find(None, 1024, 128, is_causal=True) is None
+  assert find("H100", 1024, 128, is_causal=True, kv_heads=2) is None  # GQA
+  assert find("H100", 1024, 128, is_causal=True, dtype=jnp.float16) is None
+  assert find("H100", 1024, 128, is_causal=True,
+              local_window_size=(100, 0)) is None  # window not measured
+  assert find("H100", 1024, 128, is_causal=True,
+              key_value_seq_lengths=jnp.ones(1, jnp.int32)) is None
+
+
+def test_call_orders_follow_the_table_on_that_gpu_only(monkeypatch):
+  from jflash.backends import gpu_table
+  names = lambda order: tuple(b.name for b in order)
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(16384, 128))
+  causal = _canonical(q, k, v, is_causal=True)
+  entry = gpu_table.lookup("H100", causal)
+  assert entry is not None and entry.seq_len == 16384
+  before = {p: jflash.backends.call_orders(causal, p)
+            for p in ("cpu", "tpu", "cuda")}
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(gpu_table, "local_gpu_model", lambda: "H100")
+  inference, training = jflash.backends.call_orders(causal, "cuda")
+  assert names(inference)[0] == entry.inference
+  assert names(training)[0] == entry.training
+  for order in (inference, training):
+    assert sorted(names(order)) == sorted(jflash.default_order("cuda"))
+  for p in ("cpu", "tpu"):  # nothing changes off CUDA
+    assert jflash.backends.call_orders(causal, p) == before[p]
+    assert names(before[p][0]) == jflash.default_order(p)
+  # A model with no entries, or a call no entry covers, keeps the order.
+  monkeypatch.setattr(gpu_table, "local_gpu_model", lambda: "A100")
+  assert jflash.backends.call_orders(causal, "cuda") == before["cuda"]
+  assert names(before["cuda"][0]) == jflash.default_order("cuda")
+
+
+def test_forward_only_and_training_calls_reach_their_backends(monkeypatch):
+  """Two CPU stand-ins: a call whose derivative is not taken runs the
+  inference backend, one under jax.grad runs the training backend's
+  forward and backward, and both compute the reference's values."""
+  from jflash.backends import XlaBackend, XlaConfig
+  inference = XlaBackend(XlaConfig(block_q=8, block_kv=8),
+                         name="xla_for_inference")
+  training = XlaBackend(XlaConfig(block_q=16, block_kv=8),
+                        name="xla_for_training")
+  default = jflash.backends.call_orders
+
+  def call_orders(call, platform):
+    if platform != "cpu":
+      return default(call, platform)
+    fallback = (XlaBackend(),)
+    return (inference,) + fallback, (training,) + fallback
+
+  monkeypatch.setattr(jflash.backends, "call_orders", call_orders)
+  rng = fresh_rng()
+  case = _case(rng, is_causal=True)
+  q, k, v = case.arrays[:3]
+  cotangent = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  f = _attention(case)
+  loss = lambda q, k, v: jnp.sum(f(q, k, v) * cotangent)
+
+  forward = jax.jit(f).lower(q, k, v).compile().as_text()
+  assert "jflash/xla_for_inference" in forward
+  assert "jflash/xla_for_training" not in forward
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  text = grad.lower(q, k, v).compile().as_text()
+  assert "jflash/xla_for_training" in text
+  assert "jflash/xla_for_inference" not in text
+
+  ref_out, _ = case.call_reference(q, k, v, None)
+  assert rel_err(jax.jit(f)(q, k, v), ref_out) < 1e-5
+  value, grads = grad(q, k, v)
+  ref_loss = lambda q, k, v: jnp.sum(
+      case.call_reference(q, k, v, None, jit=False)[0] * cotangent)
+  ref_value, ref_grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(
+      q, k, v)
+  assert rel_err(value, ref_value) < 1e-5
+  for got, want in zip(grads, ref_grads):
+    assert rel_err(got, want) < 1e-5
+  # vmap of the training call.
+  batched = jax.vmap(jax.grad(loss))(jnp.stack([q, -q]), jnp.stack([k, k]),
+                                     jnp.stack([v, v]))
+  assert rel_err(batched[1], jax.grad(ref_loss)(-q, k, v)) < 1e-5
+
+  assert jflash.selected_implementation(q, k, v, is_causal=True) == \
+      "xla_for_inference"
+  assert jflash.selected_implementation(
+      q, k, v, is_causal=True, for_training=True) == "xla_for_training"
+
+
+def test_table_is_what_the_builder_makes_of_the_checked_in_results():
+  from benchmarks import dispatch_table
+  from jflash.backends import gpu_table
+  from pathlib import Path
+  results = Path(__file__).parent.parent / "benchmarks" / "results"
+  h100 = results / "2026-12-06-h100-anchors-dd5348b"
+  rows = []
+  for name in ("h128.jsonl", "h64-h256.jsonl"):
+    rows += dispatch_table.read(h100 / name)[1]
+  kind, h200_rows = dispatch_table.read(
+      results / "2026-12-04-h200-grid-2dfdde0" / "grid.json")
+  assert gpu_table.gpu_model(kind) == "H200"
+  built = (dispatch_table.build(rows, "H100", gpu_table._H100)
+           + dispatch_table.build(h200_rows, "H200", gpu_table._H200))
+  assert tuple(built) == gpu_table.TABLE
+
+
+def test_builder_picks_the_faster_backend_per_pass(tmp_path):
+  from benchmarks import dispatch_table
+  rng = np.random.default_rng()
+  rows, want = [], {}
+  for s in (1024, 4096):
+    fwd = {"cudnn": rng.uniform(300, 600), "jflash:mosaic_gpu":
+           rng.uniform(300, 600)}
+    bwd = {"cudnn": rng.uniform(300, 600), "jflash:mosaic_gpu":
+           rng.uniform(300, 600)}
+    for impl in fwd:
+      rows.append(dict(impl=impl, B=1, S=s, H=16, D=128, causal=True,
+                       fwd_tflops=fwd[impl], fwdbwd_tflops=bwd[impl]))
+    rows.append(dict(impl="tokamax_mosaic", B=1, S=s, H=16, D=128,
+                     causal=True, fwd_tflops=900.0, fwdbwd_tflops=900.0))
+    pick = lambda d: ("mosaic_gpu" if d["jflash:mosaic_gpu"] > 1.01
+                      * d["cudnn"] else "cudnn")
+    want[s] = (pick(fwd), pick(bwd))
+  path = tmp_path / "runs.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows))
+  entries = dispatch_table.build(dispatch_table.read(path)[1], "H100", "x")
+  assert {e.seq_len: (e.inference, e.training) for e in entries} == want
+  assert all((e.head_dim, e.mask, e.gqa) == (128, "causal", False)
+             for e in entries)

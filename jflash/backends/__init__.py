@@ -10,6 +10,7 @@ import types
 
 import jax
 
+from jflash.backends import gpu_table
 from jflash.backends.base import AttentionCall, Backend
 from jflash.backends.cudnn import CudnnBackend
 from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
@@ -54,6 +55,33 @@ def default_order(platform: str | None = None) -> tuple[str, ...]:
   return _ORDERS[platform]
 
 
+def call_orders(call: AttentionCall, platform: str
+                ) -> tuple[tuple[Backend, ...], tuple[Backend, ...]]:
+  """``(inference, training)``: the backends tried for ``call`` on
+  ``platform`` with ``implementation=None``, for a call whose derivative
+  is not taken and for one whose backward follows.
+
+  On a CUDA host whose GPU model has measured entries in
+  :data:`jflash.backends.gpu_table.TABLE`, the entry of the call's cell puts
+  the faster of ``mosaic_gpu`` and ``cudnn`` first for each use; otherwise
+  (other platforms, other GPUs, cells not measured) both are
+  :func:`default_order`.
+  """
+  order = default_order(platform)
+  entry = None
+  if platform == "cuda" and jax.default_backend() == "gpu":
+    entry = gpu_table.lookup(gpu_table.local_gpu_model(), call)
+
+  def first(name: str | None) -> tuple[Backend, ...]:
+    names = order if name is None else (name,) + tuple(
+        n for n in order if n != name)
+    return tuple(BACKENDS[n] for n in names)
+
+  if entry is None:
+    return first(None), first(None)
+  return first(entry.inference), first(entry.training)
+
+
 __all__ = ["AttentionCall", "Backend", "BACKENDS", "MosaicGpuBackend",
            "MosaicGpuConfig", "MosaicTpuBackend", "MosaicTpuConfig",
-           "XlaBackend", "XlaConfig", "default_order"]
+           "XlaBackend", "XlaConfig", "call_orders", "default_order"]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad, batching, mlir, partial_eval
 
+import jflash.backends as registry
 from jflash.backends.base import AttentionCall, Backend
 from jflash.backends.xla import XlaBackend
 
@@ -84,13 +85,25 @@ def _portable(backend: Backend) -> bool:
   return isinstance(backend, XlaBackend)
 
 
-def run_per_platform(call: AttentionCall,
-                     orders: Mapping[str, tuple[Backend, ...]]
+Orders = tuple[tuple[Backend, ...], tuple[Backend, ...]]
+"""``(inference, training)`` backend orders of one platform."""
+
+
+def orders(call: AttentionCall, platform: str) -> Orders:
+  """The default orders of ``call`` on ``platform``
+  (:func:`jflash.backends.call_orders`)."""
+  return registry.call_orders(call, platform)
+
+
+def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
                      ) -> tuple[Array, Array, dict[str, str]]:
   """``implementation=None``: for each platform of ``orders`` (keys from
   :data:`PLATFORMS`), the first backend of its order that serves the call
-  on that platform, joined with ``lax.platform_dependent``.  Returns
-  ``(out, lse, {platform: backend name})``.
+  on that platform, joined with ``lax.platform_dependent``.  Where a
+  platform's training order differs from its inference order, a call whose
+  derivative is taken runs the training order's backend (forward and
+  backward), any other call the inference order's.  Returns
+  ``(out, lse, {platform: description of the choice})``.
 
   Concrete inputs run where they are, on the host's platform only.
   """
@@ -99,7 +112,7 @@ def run_per_platform(call: AttentionCall,
   if not any(isinstance(x, jax.core.Tracer) for x in leaves):
     host = host_platform()
     out, lse, backend = _serve(dataclasses.replace(call, platform=host),
-                               orders[host if host in orders else "cpu"])
+                               orders[host if host in orders else "cpu"][0])
     _log_choice(call, {host: backend.name})
     return out, lse, {host: backend.name}
 
@@ -107,16 +120,21 @@ def run_per_platform(call: AttentionCall,
   # it; any other once per platform.
   jaxprs: dict[tuple, jax.extend.core.ClosedJaxpr] = {}
 
-  def branch(backend: Backend, platform: str, *leaves):
+  def on(platform: str, leaves) -> AttentionCall:
     q, k, v, bias, mask = jax.tree.unflatten(tree, leaves)
+    return dataclasses.replace(call, query=q, key=k, value=v, bias=bias,
+                               mask=mask, platform=platform)
+
+  def branch(backend: Backend, platform: str, *leaves):
     with jax.named_scope(f"jflash/{backend.name}"):
-      return backend(dataclasses.replace(
-          call, query=q, key=k, value=v, bias=bias, mask=mask,
-          platform=platform))
+      return backend(on(platform, leaves))
+
+  def serve(order: tuple[Backend, ...], platform: str, *leaves):
+    return _serve(on(platform, leaves), order)[:2]
 
   def choose(platform: str) -> tuple[Backend, tuple]:
     reasons = []
-    for backend in orders[platform]:
+    for backend in orders[platform][0]:
       key = (backend,) if _portable(backend) else (backend, platform)
       if key in jaxprs:
         return backend, key
@@ -128,31 +146,47 @@ def run_per_platform(call: AttentionCall,
         continue
       return backend, key
     raise NotImplementedError(
-        f"no backend in {[b.name for b in orders[platform]]} can serve this "
-        f"call on {platform} ({call.shape_description}):\n  "
+        f"no backend in {[b.name for b in orders[platform][0]]} can serve "
+        f"this call on {platform} ({call.shape_description}):\n  "
         + "\n  ".join(reasons))
 
-  choice = {platform: choose(platform) for platform in orders}
-  names = {p: b.name for p, (b, _) in choice.items()}
-  _log_choice(call, names)
-
   diff = tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
+  names: dict[str, str] = {}
   branches: dict[tuple, Callable] = {}
-  for key, closed in jaxprs.items():
-    replay = _replay(closed)
-    if _portable(key[0]):
+  branch_of: dict[str, tuple] = {}
+  for platform in orders:
+    backend, key = choose(platform)
+    inference, training = orders[platform]
+    split = training != inference and training[0] != backend
+    if split:
+      # The inference choice serves calls without a derivative; the
+      # training order is tried (and may decline) when one is taken.
+      portable = _portable(backend) and all(map(_portable, training))
+      key = (key, training, None if portable else platform)
+      names[platform] = f"{backend.name} (training: {training[0].name} first)"
+    else:
+      names[platform] = backend.name
+    branch_of[platform] = key
+    if key in branches:
+      continue
+    replay = _replay(jaxprs[key[0] if split else key])
+    if split:
+      branches[key] = split_call(
+          key[2], replay, functools.partial(serve, training, platform), diff)
+    elif _portable(backend):
       branches[key] = replay
     else:
-      backend, platform = key
       branches[key] = split_call(
           platform, replay, functools.partial(branch, backend, platform),
           diff)
+  _log_choice(call, names)
+
   if len(branches) == 1:
-    (branch,) = branches.values()
-    out, lse = branch(*leaves)
+    (only,) = branches.values()
+    out, lse = only(*leaves)
     return out, lse, names
-  default_key = choice["cpu"][1]
-  per_platform = {p: branches[key] for p, (_, key) in choice.items()
+  default_key = branch_of["cpu"]
+  per_platform = {p: branches[key] for p, key in branch_of.items()
                   if key != default_key}
   out, lse = lax.platform_dependent(*leaves, default=branches[default_key],
                                     **per_platform)
@@ -253,8 +287,11 @@ for _p in PLATFORMS:
       _platform_call_lowering, lowering=_p), platform=_p)
 
 
-def _on_platform(platform: str, fn: Callable, *args):
-  """``fn(*args)`` (a pytree of arrays), lowered for ``platform`` only."""
+def _on_platform(platform: str | None, fn: Callable, *args):
+  """``fn(*args)`` (a pytree of arrays), lowered for ``platform`` only
+  (for any platform when None)."""
+  if platform is None:
+    return fn(*args)
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   outs = _platform_call_p.bind(*jax.tree.leaves(args), jaxpr=closed,
                                platform=platform)
@@ -268,13 +305,13 @@ def _replay(closed: jax.extend.core.ClosedJaxpr) -> Callable:
   return run
 
 
-def split_call(platform: str, primal: Callable, train: Callable,
+def split_call(platform: str | None, primal: Callable, train: Callable,
                diff: tuple[bool, ...]) -> Callable:
   """A function of the call's leaves returning ``(out, lse)``: ``primal``
   when no derivative is taken, and the forward and backward of ``train``
   when one is (``jax.custom_vjp`` runs its forward rule only then); both
-  lowered for ``platform`` only.  ``diff`` marks the differentiable
-  (floating) leaves."""
+  lowered for ``platform`` only (None: for any).  ``diff`` marks the
+  differentiable (floating) leaves."""
 
   @jax.custom_vjp
   def run(*leaves):
