@@ -255,7 +255,7 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
 
   ``backends=None`` (``implementation=None``): each lowering platform's
   default orders (:func:`jflash.backends.call_orders`), the branches joined
-  with ``lax.platform_dependent``; the name reported is the host's choice.
+  in one per-platform call; the name reported is the host's choice.
   With ``platform``, only that platform's order is traced, its training
   order with ``for_training``.
   """

@@ -66,11 +66,32 @@ def test_multi_platform_export_runs_here_and_holds_the_tpu_kernels(features):
 
   grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
   exported = export.export(grad, platforms=["cpu", "tpu"])(q, k, v)
-  assert exported.mlir_module().count("tpu_custom_call") == 3
+  # Forward and both backward kernels; traced on this host, the TPU's
+  # backward recomputes its forward (the residuals are the host's).
+  assert exported.mlir_module().count("tpu_custom_call") == 4
   want = jax.grad(loss(lambda q, k, v: case.call_reference(
       q, k, v, None, jit=False)[0]), argnums=(0, 1, 2))(q, k, v)
   for got, ref in zip(exported.call(q, k, v), want):
     assert rel_err(got, ref) < 1e-5
+
+
+def test_export_under_a_tpu_mesh_keeps_the_tpu_residuals():
+  """Traced for a TPU (an abstract mesh of TPU devices), the gradient's
+  backward uses the forward's residuals: three kernels, as with the TPU
+  backend named."""
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(
+                          device_kind="TPU v5 lite", num_cores=1,
+                          platform="tpu"))
+  case = _case(fresh_rng(), is_causal=True)
+  q, k, v = case.arrays[:3]
+  f = _attention(case)
+  grad = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1,
+                                                                     2)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = export.export(grad, platforms=["cpu", "tpu"])(q, k, v)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
 
 
 def test_export_for_cuda_gets_the_hopper_kernels(monkeypatch):
@@ -116,6 +137,12 @@ def test_host_lowering_is_the_host_backend_alone():
   assert len(instructions(compiled)) > 10
   assert instructions(compiled) == instructions(
       jax.jit(named).lower(q, k, v).compile().as_text())
+  # The gradient too: the backward keeps the host backend's residuals.
+  grads = [jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(),
+                            argnums=(0, 1, 2))).lower(q, k, v).compile()
+           for fn in (_attention(case), named)]
+  assert "tpu_custom_call" not in grads[0].as_text() or host == "tpu"
+  assert instructions(grads[0].as_text()) == instructions(grads[1].as_text())
 
 
 def test_selected_implementation_per_platform():

@@ -2,11 +2,11 @@
 
 With ``implementation=None`` the backend is chosen for each platform the
 program may be lowered for, not for the host: the call is traced once per
-distinct choice and the branches are joined with ``lax.platform_dependent``,
-which keeps only the lowered platform's branch.  ``jax.export`` for a TPU
-from a CPU host, or a multi-platform export, thus gets each platform's
-kernels.  A backend that declines for one platform falls to the next for
-that platform only.
+distinct choice, and one call lowers each platform's function for that
+platform only (a program lowered for one platform holds its function
+alone).  ``jax.export`` for a TPU from a CPU host, or a multi-platform
+export, thus gets each platform's kernels.  A backend that declines for one
+platform falls to the next for that platform only.
 
 Every backend's operations run under the name scope ``jflash/<name>``
 (visible in the HLO's op metadata and in profiles), and the choice is
@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.interpreters import ad, batching, mlir, partial_eval
 
 import jflash.backends as registry
@@ -52,6 +51,17 @@ def host_platform() -> str:
   """The platform a ``jax.jit`` on this host lowers for by default
   (``"cpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"``)."""
   return jax.export.default_export_platform()
+
+
+def target_platform() -> str:
+  """The platform a trace is meant for: the device of an active
+  ``jax.sharding.use_abstract_mesh`` when it names one (as when exporting
+  for another platform), else :func:`host_platform`."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is None:
+    return host_platform()
+  platform = device.platform
+  return {"gpu": "cuda"}.get(platform, platform)
 
 
 def _serve(call: AttentionCall, backends: tuple[Backend, ...]
@@ -99,7 +109,7 @@ def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
                      ) -> tuple[Array, Array, dict[str, str]]:
   """``implementation=None``: for each platform of ``orders`` (keys from
   :data:`PLATFORMS`), the first backend of its order that serves the call
-  on that platform, joined with ``lax.platform_dependent``.  Where a
+  on that platform, joined in one per-platform call.  Where a
   platform's training order differs from its inference order, a call whose
   derivative is taken runs the training order's backend (forward and
   backward), any other call the inference order's.  Returns
@@ -152,44 +162,40 @@ def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
 
   diff = tuple(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
   names: dict[str, str] = {}
-  branches: dict[tuple, Callable] = {}
-  branch_of: dict[str, tuple] = {}
+  members: dict[tuple, list[str]] = {}  # group key -> its platforms
+  functions: dict[tuple, tuple[Callable, Callable]] = {}
   for platform in orders:
-    backend, key = choose(platform)
+    backend, jaxpr_key = choose(platform)
     inference, training = orders[platform]
-    split = training != inference and training[0] != backend
-    if split:
+    if training != inference and training[0] != backend:
       # The inference choice serves calls without a derivative; the
       # training order is tried (and may decline) when one is taken.
-      portable = _portable(backend) and all(map(_portable, training))
-      key = (key, training, None if portable else platform)
+      key = (jaxpr_key, training)
+      train = functools.partial(serve, training, platform)
       names[platform] = f"{backend.name} (training: {training[0].name} first)"
     else:
+      key = (jaxpr_key, None)
+      train = functools.partial(branch, backend, platform)
       names[platform] = backend.name
-    branch_of[platform] = key
-    if key in branches:
-      continue
-    replay = _replay(jaxprs[key[0] if split else key])
-    if split:
-      branches[key] = split_call(
-          key[2], replay, functools.partial(serve, training, platform), diff)
-    elif _portable(backend):
-      branches[key] = replay
-    else:
-      branches[key] = split_call(
-          platform, replay, functools.partial(branch, backend, platform),
-          diff)
+    members.setdefault(key, []).append(platform)
+    functions.setdefault(key, (_replay(jaxprs[jaxpr_key]), train))
   _log_choice(call, names)
 
-  if len(branches) == 1:
-    (only,) = branches.values()
-    out, lse = only(*leaves)
+  if len(members) == 1 and next(iter(members))[1] is None:
+    # One backend for every platform: its program, as if it were named.
+    out, lse = functions[next(iter(members))][0](*leaves)
     return out, lse, names
-  default_key = branch_of["cpu"]
-  per_platform = {p: branches[key] for p, key in branch_of.items()
-                  if key != default_key}
-  out, lse = lax.platform_dependent(*leaves, default=branches[default_key],
-                                    **per_platform)
+  # The residuals of the backward pass are those of the target's group.
+  host = target_platform()
+  host = host if host in orders else "cpu"
+  groups = tuple(
+      # The CPU's group also serves every platform not named.
+      _Group(None if "cpu" in platforms else tuple(platforms),
+             *functions[key])
+      for key, platforms in members.items())
+  host_index = next(i for i, platforms in enumerate(members.values())
+                    if host in platforms)
+  out, lse = _joined(groups, host_index, diff)(*leaves)
   return out, lse, names
 
 
@@ -239,63 +245,79 @@ def run_differentiable(call: AttentionCall,
   return out, lse, xla.name
 
 
-# ------------------------------------------------- platform-restricted calls
-# Inside a ``lax.platform_dependent`` branch JAX lowers every operation for
-# every platform of a multi-platform lowering, and Pallas kernels have no
-# lowering but their own platform's.  ``_platform_call_p`` runs a traced
-# function lowered for one platform only; on any other platform it lowers to
-# zeros, never executed because the enclosing branch is that platform's.
-_platform_call_p = jax.extend.core.Primitive("jflash_platform_call")
-_platform_call_p.multiple_results = True
+# ------------------------------------------------------ per-platform calls
+# One traced function per group of platforms, as a primitive whose lowering
+# rule for each platform lowers only that platform's function, through
+# JAX's per-platform lowering (which, lowering for several platforms, emits
+# a switch on the platform and lowers each function for its platforms only:
+# Pallas kernels have no lowering but their own platform's).  Unlike a
+# ``lax.platform_dependent`` conditional it is never differentiated: it
+# appears only inside the rules of a ``jax.custom_vjp``, so that the
+# residuals saved for the backward pass are the lowered platform's alone.
+_per_platform_p = jax.extend.core.Primitive("jflash_per_platform")
+_per_platform_p.multiple_results = True
+
+Groups = tuple[tuple[str, ...] | None, ...]
+"""The platforms of each function; None for every platform not named."""
 
 
-def _platform_call_impl(*args, jaxpr, platform):
-  del platform
-  return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+def _index_for(platforms: Groups, platform: str) -> int:
+  return next((i for i, ps in enumerate(platforms)
+               if ps is not None and platform in ps),
+              platforms.index(None) if None in platforms else 0)
 
 
-def _platform_call_abstract_eval(*args, jaxpr, platform):
-  del args, platform
-  return jaxpr.out_avals
+def _per_platform_impl(*args, jaxprs, platforms):
+  closed = jaxprs[_index_for(platforms, host_platform())]
+  return jax.extend.core.jaxpr_as_fun(closed)(*args)
 
 
-def _platform_call_batch(args, dims, *, jaxpr, platform):
+def _per_platform_abstract_eval(*args, jaxprs, platforms):
+  del args, platforms
+  return jaxprs[0].out_avals
+
+
+def _per_platform_batch(args, dims, *, jaxprs, platforms):
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  batched = jax.make_jaxpr(jax.vmap(jax.extend.core.jaxpr_as_fun(jaxpr),
-                                    in_axes=tuple(dims), axis_size=size))(*args)
-  outs = _platform_call_p.bind(*args, jaxpr=batched, platform=platform)
+  batched = tuple(
+      jax.make_jaxpr(jax.vmap(jax.extend.core.jaxpr_as_fun(closed),
+                              in_axes=tuple(dims), axis_size=size))(*args)
+      for closed in jaxprs)
+  outs = _per_platform_p.bind(*args, jaxprs=batched, platforms=platforms)
   return outs, [0] * len(outs)
 
 
-def _platform_call_lowering(ctx, *args, jaxpr, platform, lowering):
-  if lowering == platform:
-    run = jax.extend.core.jaxpr_as_fun(jaxpr)
-  else:
-    def run(*args):
-      del args
-      return [jnp.zeros(a.shape, a.dtype) for a in jaxpr.out_avals]
-  return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
+def _per_platform_lowering(ctx, *args, jaxprs, platforms, lowering):
+  closed = jaxprs[_index_for(platforms, lowering)]
+  return mlir.lower_fun(jax.extend.core.jaxpr_as_fun(closed),
+                        multiple_results=True)(ctx, *args)
 
 
-_platform_call_p.def_impl(_platform_call_impl)
-_platform_call_p.def_abstract_eval(_platform_call_abstract_eval)
-batching.primitive_batchers[_platform_call_p] = _platform_call_batch
-mlir.register_lowering(_platform_call_p, functools.partial(
-    _platform_call_lowering, lowering=None))
-for _p in PLATFORMS:
-  mlir.register_lowering(_platform_call_p, functools.partial(
-      _platform_call_lowering, lowering=_p), platform=_p)
+_per_platform_p.def_impl(_per_platform_impl)
+_per_platform_p.def_abstract_eval(_per_platform_abstract_eval)
+batching.primitive_batchers[_per_platform_p] = _per_platform_batch
+# The rule for a platform outside PLATFORMS takes the default function.
+mlir.register_lowering(_per_platform_p, functools.partial(
+    _per_platform_lowering, lowering=""))
+for _platform in PLATFORMS:
+  mlir.register_lowering(_per_platform_p, functools.partial(
+      _per_platform_lowering, lowering=_platform), platform=_platform)
 
 
-def _on_platform(platform: str | None, fn: Callable, *args):
-  """``fn(*args)`` (a pytree of arrays), lowered for ``platform`` only
-  (for any platform when None)."""
-  if platform is None:
-    return fn(*args)
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  outs = _platform_call_p.bind(*jax.tree.leaves(args), jaxpr=closed,
-                               platform=platform)
-  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+def _per_platform(functions: Mapping[tuple[str, ...] | None, Callable],
+                  *args):
+  """``functions[group](*args)`` for the group of the lowered platform; the
+  functions return pytrees of the same structure, shapes and dtypes."""
+  platforms = tuple(functions)
+  traced = [jax.make_jaxpr(fn, return_shape=True)(*args)
+            for fn in functions.values()]
+  shapes = {tuple((a.shape, a.dtype) for a in closed.out_avals)
+            for closed, _ in traced}
+  assert len(shapes) == 1, shapes
+  outs = _per_platform_p.bind(*jax.tree.leaves(args),
+                              jaxprs=tuple(c for c, _ in traced),
+                              platforms=platforms)
+  return jax.tree.unflatten(jax.tree.structure(traced[0][1]), outs)
 
 
 def _replay(closed: jax.extend.core.ClosedJaxpr) -> Callable:
@@ -305,30 +327,81 @@ def _replay(closed: jax.extend.core.ClosedJaxpr) -> Callable:
   return run
 
 
-def split_call(platform: str | None, primal: Callable, train: Callable,
-               diff: tuple[bool, ...]) -> Callable:
-  """A function of the call's leaves returning ``(out, lse)``: ``primal``
-  when no derivative is taken, and the forward and backward of ``train``
-  when one is (``jax.custom_vjp`` runs its forward rule only then); both
-  lowered for ``platform`` only (None: for any).  ``diff`` marks the
-  differentiable (floating) leaves."""
+@dataclasses.dataclass(frozen=True)
+class _Group:
+  """The backends of some platforms: ``inference`` runs a call whose
+  derivative is not taken, ``training`` (forward and backward) one whose
+  derivative is."""
+
+  platforms: tuple[str, ...] | None
+  inference: Callable
+  training: Callable
+
+
+def _joined(groups: tuple[_Group, ...], host: int,
+            diff: tuple[bool, ...]) -> Callable:
+  """A function of the call's leaves returning ``(out, lse)`` from the
+  lowered platform's group.  The backward pass keeps the residuals of the
+  host's group (``groups[host]``); another group's backward recomputes its
+  forward from the inputs, so that a program lowered for the host carries
+  the same residuals as its backend alone."""
+
+  def vjp(training: Callable, leaves):
+    """``jax.vjp`` of ``training`` with respect to the floating leaves."""
+    def of_inexact(*inexact):
+      it = iter(inexact)
+      return training(*(next(it) if d else x for x, d in zip(leaves, diff)))
+    return jax.vjp(of_inexact, *(x for x, d in zip(leaves, diff) if d))
 
   @jax.custom_vjp
   def run(*leaves):
-    return _on_platform(platform, primal, *leaves)
+    return _per_platform({g.platforms: g.inference for g in groups}, *leaves)
+
+  # The host's residuals: those that are inputs are saved as the inputs
+  # themselves (no copy); the others come out of the per-platform call,
+  # as zeros from the other groups' functions.
+  layout = {}
 
   def fwd(*leaves):
-    def forward(*leaves):
-      def of_inexact(*inexact):
-        it = iter(inexact)
-        return train(*(next(it) if d else x for x, d in zip(leaves, diff)))
-      return jax.vjp(of_inexact, *(x for x, d in zip(leaves, diff) if d))
+    closed, shape = jax.make_jaxpr(
+        lambda *l: vjp(groups[host].training, l), return_shape=True)(*leaves)
+    (_, pullback_shape) = shape
+    invars = closed.jaxpr.invars
+    res_vars = closed.jaxpr.outvars[2:]
+    inputs = [invars.index(v) if v in invars else None for v in res_vars]
+    kept = [a for a, i in zip(closed.out_avals[2:], inputs) if i is None]
+    layout.update(tree=jax.tree.structure(pullback_shape), inputs=inputs)
 
-    return _on_platform(platform, forward, *leaves)
+    def host_fn(*leaves):
+      outs = jax.extend.core.jaxpr_as_fun(closed)(*leaves)
+      return (tuple(outs[:2]),
+              tuple(x for x, i in zip(outs[2:], inputs) if i is None))
 
-  def bwd(vjp, cotangents):
-    grads = iter(_on_platform(platform, lambda vjp, ct: vjp(ct), vjp,
-                              cotangents))
+    def other_fn(training):
+      def fn(*leaves):
+        zeros = tuple(jnp.zeros(a.shape, a.dtype) for a in kept)
+        return tuple(training(*leaves)), zeros
+      return fn
+
+    outs, saved = _per_platform(
+        {g.platforms: host_fn if i == host else other_fn(g.training)
+         for i, g in enumerate(groups)}, *leaves)
+    return outs, (leaves, saved)
+
+  def bwd(residual, cotangents):
+    leaves, saved = residual
+
+    def host_fn(leaves, saved, cotangents):
+      it = iter(saved)
+      res = [next(it) if i is None else leaves[i] for i in layout["inputs"]]
+      return jax.tree.unflatten(layout["tree"], res)(cotangents)
+
+    def other_fn(training):
+      return lambda leaves, saved, ct: vjp(training, leaves)[1](ct)
+
+    grads = iter(_per_platform(
+        {g.platforms: host_fn if i == host else other_fn(g.training)
+         for i, g in enumerate(groups)}, leaves, saved, cotangents))
     return tuple(next(grads) if d else None for d in diff)
 
   run.defvjp(fwd, bwd)
