@@ -266,8 +266,9 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
   if backends is not None:
     return dispatch.run(call, backends)
   if platform is not None:
-    return dispatch.run(call, dispatch.orders(call, platform)[for_training])
-  orders = {p: dispatch.orders(call, p) for p in dispatch.PLATFORMS}
+    inference, training = dispatch.default_orders(call, platform)
+    return dispatch.run(call, training if for_training else inference)
+  orders = {p: dispatch.default_orders(call, p) for p in dispatch.PLATFORMS}
   out, lse, names = dispatch.run_per_platform(call, orders)
   host = dispatch.host_platform()
   return out, lse, names.get(host, names.get("cpu"))

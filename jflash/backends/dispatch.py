@@ -99,7 +99,7 @@ Orders = tuple[tuple[Backend, ...], tuple[Backend, ...]]
 """``(inference, training)`` backend orders of one platform."""
 
 
-def orders(call: AttentionCall, platform: str) -> Orders:
+def default_orders(call: AttentionCall, platform: str) -> Orders:
   """The default orders of ``call`` on ``platform``
   (:func:`jflash.backends.call_orders`)."""
   return registry.call_orders(call, platform)
