@@ -403,3 +403,38 @@ def test_builder_picks_the_faster_backend_per_pass(tmp_path):
   assert {e.seq_len: (e.inference, e.training) for e in entries} == want
   assert all((e.head_dim, e.mask, e.gqa) == (128, "causal", False)
              for e in entries)
+
+
+def test_a_crash_tracing_for_another_platform_does_not_break_this_one(
+    monkeypatch, caplog):
+  """A backend that fails (other than by declining) while traced for a
+  platform other than the target is skipped there, with a warning; on the
+  target platform the error propagates."""
+  from jflash.backends import mosaic_tpu
+
+  def broken(self, call):
+    raise TypeError("broken kernel")
+  monkeypatch.setattr(mosaic_tpu.MosaicTpuBackend, "__call__", broken)
+  rng = fresh_rng()
+  case = _case(rng, is_causal=True)
+  q, k, v = case.arrays[:3]
+  f = _attention(case)
+  with caplog.at_level(logging.WARNING, logger="jflash"):
+    out = jax.jit(f)(q, k, v)
+    grads = jax.jit(jax.grad(lambda q: f(q, k, v).sum()))(q)
+  assert any("mosaic_tpu failed to trace for tpu" in r.getMessage()
+             for r in caplog.records)
+  ref_out, _ = case.call_reference(q, k, v, None)
+  assert rel_err(out, ref_out) < 1e-5
+  want = jax.grad(lambda q: case.call_reference(
+      q, k, v, None, jit=False)[0].sum())(q)
+  assert rel_err(grads, want) < 1e-5
+  # Traced for a TPU (under an abstract mesh of TPU devices), it raises.
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(
+                          device_kind="TPU v5 lite", num_cores=1,
+                          platform="tpu"))
+  with jax.sharding.use_abstract_mesh(mesh), \
+      pytest.raises(TypeError, match="broken kernel"):
+    jax.jit(_attention(case)).trace(q, k, v)

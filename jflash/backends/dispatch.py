@@ -142,6 +142,9 @@ def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
   def serve(order: tuple[Backend, ...], platform: str, *leaves):
     return _serve(on(platform, leaves), order)[:2]
 
+  target = target_platform()
+  target = target if target in orders else "cpu"
+
   def choose(platform: str) -> tuple[Backend, tuple]:
     reasons = []
     for backend in orders[platform][0]:
@@ -153,6 +156,14 @@ def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
             functools.partial(branch, backend, platform))(*leaves)
       except NotImplementedError as err:
         reasons.append(str(err))
+        continue
+      except Exception as err:  # pylint: disable=broad-except
+        if platform == target:
+          raise
+        # A failure while tracing for another platform must not break the
+        # call where it runs: that platform takes its next backend.
+        _warn_failed(backend, platform, err)
+        reasons.append(f"{backend.name}: {type(err).__name__}: {err}")
         continue
       return backend, key
     raise NotImplementedError(
@@ -186,15 +197,15 @@ def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
     out, lse = functions[next(iter(members))][0](*leaves)
     return out, lse, names
   # The residuals of the backward pass are those of the target's group.
-  host = target_platform()
-  host = host if host in orders else "cpu"
   groups = tuple(
       # The CPU's group also serves every platform not named.
       _Group(None if "cpu" in platforms else tuple(platforms),
-             *functions[key])
+             *functions[key],
+             fallback=functools.partial(branch, orders[platforms[0]][1][-1],
+                                        platforms[0]))
       for key, platforms in members.items())
   host_index = next(i for i, platforms in enumerate(members.values())
-                    if host in platforms)
+                    if target in platforms)
   out, lse = _joined(groups, host_index, diff)(*leaves)
   return out, lse, names
 
@@ -304,13 +315,23 @@ for _platform in PLATFORMS:
       _per_platform_lowering, lowering=_platform), platform=_platform)
 
 
-def _per_platform(functions: Mapping[tuple[str, ...] | None, Callable],
+def _per_platform(functions: Mapping[tuple[str, ...] | None,
+                                     tuple[Callable, Callable | None]],
                   *args):
-  """``functions[group](*args)`` for the group of the lowered platform; the
-  functions return pytrees of the same structure, shapes and dtypes."""
+  """``functions[group][0](*args)`` for the group of the lowered platform;
+  the functions return pytrees of the same structure, shapes and dtypes.
+  Where a function fails to trace, ``functions[group][1]`` (if not None)
+  replaces it."""
   platforms = tuple(functions)
-  traced = [jax.make_jaxpr(fn, return_shape=True)(*args)
-            for fn in functions.values()]
+  traced = []
+  for group, (fn, fallback) in functions.items():
+    try:
+      traced.append(jax.make_jaxpr(fn, return_shape=True)(*args))
+    except Exception as err:  # pylint: disable=broad-except
+      if fallback is None:
+        raise
+      _warn_failed(None, group, err)
+      traced.append(jax.make_jaxpr(fallback, return_shape=True)(*args))
   shapes = {tuple((a.shape, a.dtype) for a in closed.out_avals)
             for closed, _ in traced}
   assert len(shapes) == 1, shapes
@@ -331,11 +352,13 @@ def _replay(closed: jax.extend.core.ClosedJaxpr) -> Callable:
 class _Group:
   """The backends of some platforms: ``inference`` runs a call whose
   derivative is not taken, ``training`` (forward and backward) one whose
-  derivative is."""
+  derivative is; ``fallback`` replaces ``training`` where it fails to
+  trace for a platform other than the target."""
 
   platforms: tuple[str, ...] | None
   inference: Callable
   training: Callable
+  fallback: Callable  # the last (xla) backend of the training order
 
 
 def _joined(groups: tuple[_Group, ...], host: int,
@@ -355,7 +378,8 @@ def _joined(groups: tuple[_Group, ...], host: int,
 
   @jax.custom_vjp
   def run(*leaves):
-    return _per_platform({g.platforms: g.inference for g in groups}, *leaves)
+    return _per_platform({g.platforms: (g.inference, None) for g in groups},
+                         *leaves)
 
   # The host's residuals: those that are inputs are saved as the inputs
   # themselves (no copy); the others come out of the per-platform call,
@@ -384,7 +408,8 @@ def _joined(groups: tuple[_Group, ...], host: int,
       return fn
 
     outs, saved = _per_platform(
-        {g.platforms: host_fn if i == host else other_fn(g.training)
+        {g.platforms: (host_fn, None) if i == host else
+         (other_fn(g.training), other_fn(g.fallback))
          for i, g in enumerate(groups)}, *leaves)
     return outs, (leaves, saved)
 
@@ -400,12 +425,21 @@ def _joined(groups: tuple[_Group, ...], host: int,
       return lambda leaves, saved, ct: vjp(training, leaves)[1](ct)
 
     grads = iter(_per_platform(
-        {g.platforms: host_fn if i == host else other_fn(g.training)
+        {g.platforms: (host_fn, None) if i == host else
+         (other_fn(g.training), other_fn(g.fallback))
          for i, g in enumerate(groups)}, leaves, saved, cotangents))
     return tuple(next(grads) if d else None for d in diff)
 
   run.defvjp(fwd, bwd)
   return run
+
+
+def _warn_failed(backend: Backend | None, platforms, err: Exception) -> None:
+  what = f"{backend.name} " if backend is not None else "the backend "
+  logger.warning(
+      "jflash.dot_product_attention: %sfailed to trace for %s (%s: %s); "
+      "that platform's branch uses the next backend (xla)", what,
+      platforms or "the default platforms", type(err).__name__, err)
 
 
 def _signature(call: AttentionCall, names: Mapping[str, str]) -> tuple:
