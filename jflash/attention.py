@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jflash.backends import BACKENDS, default_order
+from jflash.backends import BACKENDS, default_order, dispatch
 from jflash.backends.base import AttentionCall, Backend
 from jflash.masks import AttentionMask
 
@@ -325,10 +325,11 @@ def _is_backend(x: Any) -> bool:
           and isinstance(getattr(x, "name", None), str))
 
 
-def _requested_backends(implementation: Any) -> tuple[Backend, ...]:
-  """The backends to try, in order."""
+def _requested_backends(implementation: Any) -> tuple[Backend, ...] | None:
+  """The backends to try, in order; None for the default order of each
+  lowering platform."""
   if implementation is None:
-    return tuple(BACKENDS[n] for n in default_order())
+    return None
   if isinstance(implementation, str) or _is_backend(implementation):
     entries = (implementation,)
   elif isinstance(implementation, Sequence):
@@ -443,19 +444,30 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
   return call, unbatched
 
 
-def _dispatch(call: AttentionCall,
-              backends: tuple[Backend, ...]) -> tuple[Array, Array, str]:
-  reasons = []
-  for backend in backends:
-    try:
-      out, lse = backend(call)
-    except NotImplementedError as err:
-      reasons.append(str(err))
-      continue
-    return out, lse, backend.name
-  raise NotImplementedError(
-      f"no backend in {[b.name for b in backends]} can serve this call "
-      f"({call.shape_description}):\n  " + "\n  ".join(reasons))
+def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
+              platform: str | None = None,
+              for_training: bool = False) -> tuple[Array, Array, str]:
+  """``(out, lse, name of the backend chosen for platform)``.
+
+  ``backends=None`` (``implementation=None``): each lowering platform's
+  default orders (:func:`jflash.backends.call_orders`), the branches joined
+  in one per-platform call; the name reported is the host's choice.
+  With ``platform``, only that platform's order is traced, its training
+  order with ``for_training``.
+  """
+  if platform is not None:
+    call = dataclasses.replace(call, platform=platform)
+  if dispatch.needs_jax_derivatives(call):
+    return dispatch.run_differentiable(call, backends)
+  if backends is not None:
+    return dispatch.run(call, backends)
+  if platform is not None:
+    inference, training = dispatch.default_orders(call, platform)
+    return dispatch.run(call, training if for_training else inference)
+  orders = {p: dispatch.default_orders(call, p) for p in dispatch.PLATFORMS}
+  out, lse, names = dispatch.run_per_platform(call, orders)
+  host = dispatch.host_platform()
+  return out, lse, names.get(host, names.get("cpu"))
 
 
 def dot_product_attention(
@@ -603,10 +615,32 @@ def selected_implementation(
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     interpret: bool = False,
+    platform: str | None = None,
+    for_training: bool = False,
 ) -> str:
   """The name of the backend that :func:`dot_product_attention` would use
   for these arguments (same signature).  Traces abstractly; computes
-  nothing."""
+  nothing.
+
+  Args:
+    platform: with ``implementation=None``, the lowering platform to report
+      the choice for (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default:
+      this host's).  A jitted call holds one branch per platform and runs
+      the lowered platform's.
+    for_training: with ``implementation=None``, the backend of a call whose
+      derivative is taken (on Hopper GPUs it may differ from the backend of
+      a forward-only call; see ``docs/backends.md``).
+  """
+  if not isinstance(for_training, (bool, np.bool_)):
+    raise ValueError(f"for_training must be a bool, got {for_training!r}")
+  if platform is not None:
+    default_order(platform)  # validates the name
+    if platform == "gpu":
+      platform = "cuda"
+  elif implementation is None:
+    platform = dispatch.host_platform()
+    if platform not in dispatch.PLATFORMS:
+      platform = "cpu"
   chosen = []
 
   def trace(query, key, value, bias, mask, query_seq_lengths,
@@ -621,7 +655,8 @@ def selected_implementation(
     if _is_empty(call):
       chosen.append(_EMPTY_RESULT_BACKEND)
       return 0
-    chosen.append(_dispatch(call, _requested_backends(implementation))[2])
+    chosen.append(_dispatch(call, _requested_backends(implementation),
+                            platform, bool(for_training))[2])
     return 0
 
   jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,

@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 import jflash
 from jflash.backends import XlaBackend, XlaConfig
-from tests._support import (fresh_rng, random_normal, random_qkv,
+from tests._support import (Case, fresh_rng, random_normal, random_qkv,
                             random_segments, rel_err)
 
 SMALL_TILES = XlaBackend(XlaConfig(block_q=8, block_kv=16))
@@ -181,3 +181,134 @@ def test_empty_tiles_are_never_read():
   out = np.asarray(jflash.dot_product_attention(q, k, v_future, is_causal=True,
                                                 implementation=backend))
   assert np.isfinite(out[:, :48]).all() and np.isnan(out[:, 48:]).all()
+
+
+# ------------------------------------------- forward mode and higher order
+def _featured_case(rng, features: str):
+  """A small float32 case with the named visibility features, as
+  ``(q, k, v, bias, kwargs)``."""
+  q, k, v = random_qkv(rng, b=2, t=10, s=13, n=4, k=2, h=8)
+  bias, kwargs = None, dict(is_causal=True)
+  if features == "all":
+    bias = random_normal(rng, (1, 4, 10, 13), jnp.float32)
+    kwargs.update(
+        local_window_size=(6, 2), logits_soft_cap=3.0,
+        key_value_seq_lengths=jnp.asarray([13, 9], jnp.int32),
+        segment_ids=(jnp.asarray(random_segments(rng, 2, 10, 2)),
+                     jnp.asarray(random_segments(rng, 2, 13, 2))))
+  return q, k, v, bias, kwargs
+
+
+def _reference_fn(bias, kwargs):
+  case = Case(None, None, None, bias, kwargs=kwargs)
+  def f(q, k, v):
+    out, lse = case.call_reference(q, k, v, bias, jit=False)
+    return out, lse
+  return f
+
+
+def _jflash_fn(bias, kwargs, **extra):
+  def f(q, k, v):
+    return jflash.dot_product_attention(q, k, v, bias, **kwargs,
+                                        return_residual=True, **extra)
+  return f
+
+
+def _finite_lse(lse, ref):
+  """Zeroes the entries of rows that see no key (a logsumexp of -inf)."""
+  return jnp.where(jnp.isneginf(ref), 0.0, lse)
+
+
+@pytest.mark.parametrize("features", ["causal", "all"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jvp_matches_the_reference(features, jit):
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, features)
+  tangents = tuple(random_normal(rng, x.shape, x.dtype) for x in (q, k, v))
+  def run(f):
+    jvp = lambda q, k, v: jax.jvp(f, (q, k, v), tangents)
+    return (jax.jit(jvp) if jit else jvp)(q, k, v)
+
+  (out, lse), (d_out, d_lse) = run(_jflash_fn(bias, kwargs))
+  (ref_out, ref_lse), (ref_d_out, ref_d_lse) = run(_reference_fn(bias, kwargs))
+  assert rel_err(out, ref_out) < 1e-5
+  assert rel_err(d_out, ref_d_out) < 1e-5
+  assert rel_err(_finite_lse(d_lse, ref_lse),
+                 _finite_lse(ref_d_lse, ref_lse)) < 1e-5
+
+
+def test_jacfwd_and_hessian_match_the_reference():
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, "all")
+  q, k, v = q[:, :4, :2], k[:, :6, :1], v[:, :6, :1]  # a small Jacobian
+  kwargs = dict(is_causal=True, logits_soft_cap=3.0)
+  weights = random_normal(rng, (2, 4, 2, 8), jnp.float32)
+
+  def scalar(f):
+    return lambda q: jnp.sum(f(q, k, v)[0] * weights)
+
+  jac = jax.jacfwd(lambda q: _jflash_fn(None, kwargs)(q, k, v)[0])(q)
+  ref_jac = jax.jacfwd(lambda q: _reference_fn(None, kwargs)(q, k, v)[0])(q)
+  assert rel_err(jac, ref_jac) < 1e-5
+  hess = jax.hessian(scalar(_jflash_fn(None, kwargs)))(q)
+  ref_hess = jax.hessian(scalar(_reference_fn(None, kwargs)))(q)
+  assert rel_err(hess, ref_hess) < 1e-4
+
+
+@pytest.mark.parametrize("features", ["causal", "all"])
+def test_second_order_matches_the_reference(features):
+  """Hessian-vector products (forward over reverse) and reverse over
+  reverse."""
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, features)
+  weights = random_normal(rng, q.shape, jnp.float32)
+  tangent = random_normal(rng, q.shape, jnp.float32)
+
+  def loss(f):
+    return lambda q, k, v: jnp.sum(jnp.tanh(f(q, k, v)[0]) * weights)
+
+  def hvp(f):
+    return jax.jvp(jax.grad(loss(f)), (q, k, v), (tangent, 0 * k, 0 * v))[1]
+
+  def grad_of_grad(f):
+    inner = jax.grad(loss(f), argnums=(0, 1, 2))
+    return jax.grad(lambda q, k, v: sum(
+        jnp.sum(g ** 2) for g in inner(q, k, v)), argnums=(0, 1, 2))(q, k, v)
+
+  mine, ref = _jflash_fn(bias, kwargs), _reference_fn(bias, kwargs)
+  assert rel_err(hvp(mine), hvp(ref)) < 1e-4
+  for got, want in zip(grad_of_grad(mine), grad_of_grad(ref)):
+    assert rel_err(got, want) < 1e-4
+
+
+def test_forward_mode_without_an_xla_backend_names_jflash():
+  q, k, v = _qkv(_rng())
+
+  def f(q):
+    return jflash.dot_product_attention(q, k, v, implementation="mosaic_tpu",
+                                        interpret=True)
+  with pytest.raises(NotImplementedError,
+                     match=r"jflash.*forward-mode.*'xla'"):
+    jax.jvp(f, (q,), (q,))
+
+
+def test_reverse_mode_keeps_the_custom_backward(monkeypatch):
+  """One level of reverse mode (including under jax.checkpoint and scan)
+  runs the backends' own backward passes; only forward mode reaches the
+  formulation JAX differentiates."""
+  rng = _rng()
+  q, k, v = _qkv(rng)
+
+  def refuse(self, call):
+    raise AssertionError("reverse mode reached XlaBackend.differentiable")
+  monkeypatch.setattr(XlaBackend, "differentiable", refuse)
+
+  def f(q):
+    return jflash.dot_product_attention(q, k, v, is_causal=True)
+  jax.grad(lambda q: f(q).sum())(q)
+  jax.jit(jax.grad(lambda q: jax.checkpoint(f)(q).sum()))(q)
+  jax.vjp(f, q)[1](q)
+  jax.grad(lambda q: jax.lax.scan(lambda c, _: (f(c), None), q, None,
+                                  length=2)[0].sum())(q)
+  with pytest.raises(AssertionError, match="differentiable"):
+    jax.jvp(f, (q,), (q,))

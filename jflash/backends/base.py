@@ -43,6 +43,10 @@ class AttentionCall:
     interpret: run Pallas kernels through the Pallas interpreter (on the
       CPU).  A backend with Pallas kernels that cannot be interpreted
       declines; a backend with no kernels of its own (``xla``) is unaffected.
+    platform: the platform this call is lowered for (``"cpu"``,
+      ``"cuda"``, ``"rocm"``, ``"tpu"``), set when ``implementation=None``
+      traces one branch per platform; None for the platform of the trace
+      (an abstract mesh's device, else the default backend).
   """
 
   query: Array
@@ -54,6 +58,7 @@ class AttentionCall:
   logits_soft_cap: float | None
   returns_residual: bool = False
   interpret: bool = False
+  platform: str | None = None
 
   @property
   def dtype(self):

@@ -192,7 +192,11 @@ class _Tiles:
     return s, tanh
 
 
-def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
+def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan,
+             static_trip: bool = False):
+  """``(out, lse)``.  ``static_trip``: every query block's loop runs over
+  all key blocks, skipping the ones not scheduled, so that it is a scan
+  JAX can differentiate in reverse mode as well as forward."""
   tiles = _Tiles(q, k, v, bias, mask, plan)
   batch, _, num_heads, head_dim = q.shape
 
@@ -217,7 +221,14 @@ def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan):
     acc0 = jnp.zeros_like(jnp.moveaxis(qb, 1, 3))  # [B, K, G, bq, H]
     init = (jnp.full_like(acc0[..., 0], -jnp.inf), jnp.zeros_like(acc0[..., 0]),
             acc0)
-    m, l, acc = lax.fori_loop(0, sched.kv_count[0, qi], body, init)
+    count = sched.kv_count[0, qi]
+    if static_trip:
+      m, l, acc = lax.fori_loop(
+          0, plan.num_kv, lambda j, carry: lax.cond(
+              j < count, functools.partial(body, j), lambda c: c, carry),
+          init)
+    else:
+      m, l, acc = lax.fori_loop(0, count, body, init)
     empty = l == 0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
@@ -366,6 +377,21 @@ class XlaBackend:
   name: str = "xla"
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    return _attention(call.query, call.key, call.value, call.bias, call.mask,
+                      self._plan(call))
+
+  def differentiable(self, call: AttentionCall) -> tuple[Array, Array]:
+    """The same forward computation without the custom backward: JAX
+    differentiates it in any mode and to any order (forward mode, as in
+    ``jax.jvp``, in memory linear in sequence length; reverse mode through
+    it stores every visited tile)."""
+    plan = self._plan(call)
+    sched = _schedule(call.mask, plan)
+    out, lse = _forward(call.query, call.key, call.value, call.bias,
+                        call.mask, sched, plan, static_trip=True)
+    return out.astype(call.dtype), lse
+
+  def _plan(self, call: AttentionCall) -> _Plan:
     batch, q_len, num_heads, _ = call.query.shape
     kv_len = call.key.shape[1]
     block_q, block_kv = self.config.blocks_for(batch, num_heads, q_len,
@@ -374,9 +400,7 @@ class XlaBackend:
     low_precision = call.dtype in (jnp.bfloat16, jnp.float16)
     matmul_dtype = (np.dtype(call.dtype) if low_precision
                     and self.config.matmul_inputs == "auto" else compute_dtype)
-    plan = _Plan(scale=float(call.scale), soft_cap=call.logits_soft_cap,
+    return _Plan(scale=float(call.scale), soft_cap=call.logits_soft_cap,
                  block_q=block_q, block_kv=block_kv,
                  num_q=-(-q_len // block_q), num_kv=-(-kv_len // block_kv),
                  compute_dtype=compute_dtype, matmul_dtype=matmul_dtype)
-    return _attention(call.query, call.key, call.value, call.bias, call.mask,
-                      plan)

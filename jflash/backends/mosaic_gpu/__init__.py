@@ -81,6 +81,9 @@ class MosaicGpuBackend:
     if call.interpret:
       _decline("its wgmma kernels cannot run in Pallas interpret mode on the "
                "CPU")
+    if call.platform not in (None, "cuda"):
+      _decline(f"needs a Hopper GPU, the call is lowered for "
+               f"{call.platform!r}")
     if not _is_hopper():
       _decline("needs a Hopper GPU (compute capability 9.x)")
     if call.dtype not in (jnp.bfloat16, jnp.float16):

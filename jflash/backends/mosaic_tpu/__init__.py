@@ -120,7 +120,7 @@ class MosaicTpuBackend:
 
   # ---------------------------------------------------------------- checks
   def _check_supported(self, call: AttentionCall) -> None:
-    platform = target_device()[0]
+    platform = call.platform or target_device()[0]
     if platform != "tpu" and not call.interpret:
       raise NotImplementedError(
           f"{self.name}: needs a TPU (the target platform is {platform!r}); "

@@ -1,0 +1,440 @@
+"""Backend choice: per lowering platform, named in the HLO, logged."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jflash
+from jflash.backends import mosaic_gpu
+from tests._support import Case, fresh_rng, random_qkv, random_segments, \
+    rel_err
+
+
+def _custom_calls(module_text: str) -> set[str]:
+  return set(re.findall(r"custom_call @([\w.]+)", module_text))
+
+
+def _case(rng, **kwargs) -> Case:
+  q, k, v = random_qkv(rng, t=40, s=40, n=4, k=2, h=32)
+  return Case(q, k, v, kwargs=kwargs)
+
+
+def _attention(case: Case):
+  """A fresh function (so that no trace is reused from another test)."""
+  def f(q, k, v):
+    return jflash.dot_product_attention(q, k, v, **case.kwargs)
+  return f
+
+
+# ---------------------------------------------------------------- platforms
+def test_export_for_tpu_from_this_host_gets_the_tpu_kernels():
+  case = _case(fresh_rng(), is_causal=True)
+  exported = export.export(jax.jit(_attention(case)),
+                           platforms=["tpu"])(*case.arrays[:3])
+  assert "tpu_custom_call" in _custom_calls(exported.mlir_module())
+
+
+@pytest.mark.parametrize("features", ["causal", "segments"])
+def test_multi_platform_export_runs_here_and_holds_the_tpu_kernels(features):
+  """One module for CPU and TPU: the TPU branch holds the Mosaic kernels
+  (forward and both backward kernels for the gradient), and the module
+  called on the CPU computes the reference's output and gradients."""
+  rng = fresh_rng()
+  kwargs = dict(is_causal=True)
+  if features == "segments":
+    kwargs["segment_ids"] = jnp.asarray(random_segments(rng, 2, 40))
+  case = _case(rng, **kwargs)
+  f = _attention(case)
+  q, k, v = case.arrays[:3]
+  exported = export.export(jax.jit(f), platforms=["cpu", "tpu"])(q, k, v)
+  assert "tpu_custom_call" in _custom_calls(exported.mlir_module())
+  ref_out, _ = case.call_reference(q, k, v, None)
+  assert rel_err(exported.call(q, k, v), ref_out) < 1e-5
+
+  cotangent = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
+
+  grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
+  exported = export.export(grad, platforms=["cpu", "tpu"])(q, k, v)
+  # Forward and both backward kernels; traced on this host, the TPU's
+  # backward recomputes its forward (the residuals are the host's).
+  assert exported.mlir_module().count("tpu_custom_call") == 4
+  want = jax.grad(loss(lambda q, k, v: case.call_reference(
+      q, k, v, None, jit=False)[0]), argnums=(0, 1, 2))(q, k, v)
+  for got, ref in zip(exported.call(q, k, v), want):
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_export_under_a_tpu_mesh_keeps_the_tpu_residuals():
+  """Traced for a TPU (an abstract mesh of TPU devices), the gradient's
+  backward uses the forward's residuals: three kernels, as with the TPU
+  backend named."""
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(
+                          device_kind="TPU v5 lite", num_cores=1,
+                          platform="tpu"))
+  case = _case(fresh_rng(), is_causal=True)
+  q, k, v = case.arrays[:3]
+  f = _attention(case)
+  grad = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1,
+                                                                     2)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = export.export(grad, platforms=["cpu", "tpu"])(q, k, v)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_export_for_cuda_gets_the_hopper_kernels(monkeypatch):
+  """With the host's GPU taken for a Hopper (cuDNN's lowering needs a real
+  GPU and declines here), a CUDA export holds Mosaic GPU kernels, and a
+  three-platform export holds each platform's kernels."""
+  monkeypatch.setattr(mosaic_gpu, "_is_hopper", lambda: True)
+  rng = fresh_rng()
+  q, k, v = random_qkv(rng, t=128, s=128, n=2, k=2, h=64,
+                       dtype=jnp.bfloat16)
+  case = Case(q, k, v, kwargs=dict(is_causal=True))
+  exported = export.export(jax.jit(_attention(case)),
+                           platforms=["cuda"])(q, k, v)
+  assert "mosaic_gpu_v2" in _custom_calls(exported.mlir_module())
+  exported = export.export(jax.jit(_attention(case)),
+                           platforms=["cpu", "cuda", "tpu"])(q, k, v)
+  assert {"mosaic_gpu_v2", "tpu_custom_call"} <= _custom_calls(
+      exported.mlir_module())
+  ref_out, _ = case.call_reference(q, k, v, None)
+  assert rel_err(exported.call(q, k, v), ref_out) < 2e-2
+
+
+def test_host_lowering_is_the_host_backend_alone():
+  """Lowered for this host only, the program holds no other platform's
+  kernels and no conditional: the same program as the host's backend
+  named explicitly."""
+  from jflash.backends import dispatch
+  case = _case(fresh_rng(), is_causal=True)
+  q, k, v = case.arrays[:3]
+  host = dispatch.host_platform()
+  explicit = jflash.default_order()[0]
+
+  def named(q, k, v):
+    return jflash.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=explicit)
+
+  compiled = jax.jit(_attention(case)).lower(q, k, v).compile().as_text()
+  assert "conditional" not in compiled
+  if host != "tpu":
+    assert "tpu_custom_call" not in compiled
+  def instructions(text):  # shape and opcode of every instruction
+    return sorted(re.findall(r"= (\S+) ([\w-]+)\(", text))
+  assert len(instructions(compiled)) > 10
+  assert instructions(compiled) == instructions(
+      jax.jit(named).lower(q, k, v).compile().as_text())
+  # The gradient too: the backward keeps the host backend's residuals.
+  grads = [jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(),
+                            argnums=(0, 1, 2))).lower(q, k, v).compile()
+           for fn in (_attention(case), named)]
+  assert "tpu_custom_call" not in grads[0].as_text() or host == "tpu"
+  assert instructions(grads[0].as_text()) == instructions(grads[1].as_text())
+
+
+def test_selected_implementation_per_platform():
+  q, k, v = random_qkv(fresh_rng(), dtype=jnp.bfloat16)
+  assert jflash.selected_implementation(q, k, v, platform="tpu") == \
+      "mosaic_tpu"
+  assert jflash.selected_implementation(q, k, v, platform="cpu") == "xla"
+  # A dense mask is declined by the TPU kernels for that platform only.
+  mask = jnp.ones((12, 12), bool)
+  assert jflash.selected_implementation(q, k, v, mask=mask,
+                                        platform="tpu") == "xla"
+  with pytest.raises(ValueError, match="platform.*'banana'.*known"):
+    jflash.selected_implementation(q, k, v, platform="banana")
+
+
+def test_default_order_rejects_unknown_platforms():
+  with pytest.raises(ValueError, match=r"'banana'.*known.*cpu.*cuda.*tpu"):
+    jflash.default_order("banana")
+  assert jflash.default_order("gpu") == jflash.default_order("cuda")
+  assert jflash.default_order("tpu") == ("mosaic_tpu", "xla")
+
+
+# ---------------------------------------------------------- which backend
+def test_backend_is_named_in_the_hlo():
+  case = _case(fresh_rng(), is_causal=True)
+  q, k, v = case.arrays[:3]
+  lowered = jax.jit(_attention(case)).lower(q, k, v)
+  name = jflash.selected_implementation(q, k, v, is_causal=True)
+  assert f"jflash/{name}" in lowered.as_text(debug_info=True)
+  assert f"jflash/{name}" in lowered.compile().as_text()
+
+  def explicit(q, k, v):
+    return jflash.dot_product_attention(q, k, v, implementation="xla")
+  assert "jflash/xla" in jax.jit(explicit).lower(q, k, v).compile().as_text()
+
+
+def test_choice_logged_once_per_signature(caplog, monkeypatch):
+  from jflash.backends import dispatch
+  dispatch._logged.clear()
+  rng = fresh_rng()
+  first = _case(rng, is_causal=True)
+  q, k, v = first.arrays[:3]
+  q2, k2, v2 = random_qkv(rng, t=24, s=24, n=4, k=2, h=32)
+  with caplog.at_level(logging.DEBUG, logger="jflash"):
+    for _ in range(2):
+      jax.jit(_attention(first))(q, k, v)  # traced twice, logged once
+      jflash.dot_product_attention(q2, k2, v2)  # eager, twice
+  records = [r for r in caplog.records if r.name == "jflash"]
+  assert len(records) == 2, [r.getMessage() for r in records]
+  assert all(r.levelno == logging.DEBUG for r in records)
+  assert "T=40" in records[0].getMessage()
+  assert "causal" in records[0].getMessage()
+  assert "tpu -> mosaic_tpu" in records[0].getMessage()
+  assert "T=24" in records[1].getMessage()
+
+  dispatch._logged.clear()
+  caplog.clear()
+  monkeypatch.setenv(dispatch.LOG_LEVEL_ENV, "INFO")
+  with caplog.at_level(logging.INFO, logger="jflash"):
+    jflash.dot_product_attention(q2, k2, v2)
+  assert [r.levelno for r in caplog.records if r.name == "jflash"] == [
+      logging.INFO]
+
+
+def test_log_memo_is_bounded():
+  from jflash.backends import dispatch
+  dispatch._logged.clear()
+  q, k, v = random_qkv(fresh_rng(), t=4, s=4)
+  call, _ = jflash.attention._canonicalize(
+      q, k, v, None, None, scale=None, is_causal=False,
+      query_seq_lengths=None, key_value_seq_lengths=None,
+      local_window_size=None, segment_ids=None, logits_soft_cap=None)
+  for i in range(dispatch._LOG_MEMO_SIZE + 5):
+    dispatch._log_choice(call, {"cpu": f"backend{i}"})
+  assert len(dispatch._logged) == dispatch._LOG_MEMO_SIZE
+
+
+# ------------------------------------------------ per-call choice on Hopper
+def _canonical(q, k, v, **kwargs):
+  call, _ = jflash.attention._canonicalize(
+      q, k, v, None, None, scale=None,
+      is_causal=kwargs.get("is_causal", False),
+      query_seq_lengths=None,
+      key_value_seq_lengths=kwargs.get("key_value_seq_lengths"),
+      local_window_size=kwargs.get("local_window_size"), segment_ids=None,
+      logits_soft_cap=None)
+  return call
+
+
+def _shapes(t, h, n=4, kv_heads=4, dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((1, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((1, t, kv_heads, h), dtype)
+  return q, kv, kv
+
+
+def test_gpu_model_of_device_kinds():
+  from jflash.backends import gpu_table
+  assert gpu_table.gpu_model("NVIDIA H100 80GB HBM3") == "H100"
+  assert gpu_table.gpu_model("NVIDIA H200") == "H200"
+  assert gpu_table.gpu_model("TPU v5 lite") is None
+  assert gpu_table.gpu_model("cpu") is None
+
+
+def test_table_lookup_buckets_and_fallbacks():
+  from jflash.backends import gpu_table
+  E = gpu_table.Entry
+  table = (E("H100", 128, 1024, "causal", False, "bfloat16", "cudnn",
+             "mosaic_gpu", "a"),
+           E("H100", 128, 4096, "causal", False, "bfloat16", "mosaic_gpu",
+             "cudnn", "b"),
+           E("H100", 64, 4096, "none", False, "bfloat16", "mosaic_gpu",
+             "mosaic_gpu", "c"))
+
+  def find(gpu, t, h, **kwargs):
+    n_kv = kwargs.pop("kv_heads", 4)
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    q, k, v = (jnp.zeros(s.shape, s.dtype)
+               for s in _shapes(t, h, kv_heads=n_kv, dtype=dtype))
+    entry = gpu_table.lookup(gpu, _canonical(q, k, v, **kwargs), table)
+    return entry and entry.source
+
+  assert find("H100", 1024, 128, is_causal=True) == "a"
+  assert find("H100", 4096, 128, is_causal=True) == "b"
+  assert find("H100", 3000, 128, is_causal=True) == "b"  # log-nearest
+  assert find("H100", 1500, 128, is_causal=True) == "a"
+  assert find("H100", 64, 128, is_causal=True) == "a"
+  assert find("H100", 65536, 128, is_causal=True) == "b"
+  assert find("H100", 1024, 96, is_causal=True) == "a"  # runs at 128
+  assert find("H100", 1024, 40) == "c"  # runs at 64
+  assert find("H100", 1024, 64, is_causal=True) is None  # not measured
+  assert find("H100", 64, 264) is None  # above 256
+  assert find("H200", 1024, 128, is_causal=True) is None  # other model
+  assert find(None, 1024, 128, is_causal=True) is None
+  assert find("H100", 1024, 128, is_causal=True, kv_heads=2) is None  # GQA
+  assert find("H100", 1024, 128, is_causal=True, dtype=jnp.float16) is None
+  assert find("H100", 1024, 128, is_causal=True,
+              local_window_size=(100, 0)) is None  # window not measured
+  assert find("H100", 1024, 128, is_causal=True,
+              key_value_seq_lengths=jnp.ones(1, jnp.int32)) is None
+
+
+def test_call_orders_follow_the_table_on_that_gpu_only(monkeypatch):
+  from jflash.backends import gpu_table
+  names = lambda order: tuple(b.name for b in order)
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(16384, 128))
+  causal = _canonical(q, k, v, is_causal=True)
+  entry = gpu_table.lookup("H100", causal)
+  assert entry is not None and entry.seq_len == 16384
+  before = {p: jflash.backends.call_orders(causal, p)
+            for p in ("cpu", "tpu", "cuda")}
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(gpu_table, "local_gpu_model", lambda: "H100")
+  inference, training = jflash.backends.call_orders(causal, "cuda")
+  assert names(inference)[0] == entry.inference
+  assert names(training)[0] == entry.training
+  for order in (inference, training):
+    assert sorted(names(order)) == sorted(jflash.default_order("cuda"))
+  for p in ("cpu", "tpu"):  # nothing changes off CUDA
+    assert jflash.backends.call_orders(causal, p) == before[p]
+    assert names(before[p][0]) == jflash.default_order(p)
+  # A model with no entries, or a call no entry covers, keeps the order.
+  monkeypatch.setattr(gpu_table, "local_gpu_model", lambda: "A100")
+  assert jflash.backends.call_orders(causal, "cuda") == before["cuda"]
+  assert names(before["cuda"][0]) == jflash.default_order("cuda")
+
+
+def test_forward_only_and_training_calls_reach_their_backends(monkeypatch):
+  """Two CPU stand-ins: a call whose derivative is not taken runs the
+  inference backend, one under jax.grad runs the training backend's
+  forward and backward, and both compute the reference's values."""
+  from jflash.backends import XlaBackend, XlaConfig
+  inference = XlaBackend(XlaConfig(block_q=8, block_kv=8),
+                         name="xla_for_inference")
+  training = XlaBackend(XlaConfig(block_q=16, block_kv=8),
+                        name="xla_for_training")
+  default = jflash.backends.call_orders
+
+  def call_orders(call, platform):
+    if platform != "cpu":
+      return default(call, platform)
+    fallback = (XlaBackend(),)
+    return (inference,) + fallback, (training,) + fallback
+
+  monkeypatch.setattr(jflash.backends, "call_orders", call_orders)
+  rng = fresh_rng()
+  case = _case(rng, is_causal=True)
+  q, k, v = case.arrays[:3]
+  cotangent = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  f = _attention(case)
+  loss = lambda q, k, v: jnp.sum(f(q, k, v) * cotangent)
+
+  forward = jax.jit(f).lower(q, k, v).compile().as_text()
+  assert "jflash/xla_for_inference" in forward
+  assert "jflash/xla_for_training" not in forward
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  text = grad.lower(q, k, v).compile().as_text()
+  assert "jflash/xla_for_training" in text
+  assert "jflash/xla_for_inference" not in text
+
+  ref_out, _ = case.call_reference(q, k, v, None)
+  assert rel_err(jax.jit(f)(q, k, v), ref_out) < 1e-5
+  value, grads = grad(q, k, v)
+  ref_loss = lambda q, k, v: jnp.sum(
+      case.call_reference(q, k, v, None, jit=False)[0] * cotangent)
+  ref_value, ref_grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(
+      q, k, v)
+  assert rel_err(value, ref_value) < 1e-5
+  for got, want in zip(grads, ref_grads):
+    assert rel_err(got, want) < 1e-5
+  # vmap of the training call.
+  batched = jax.vmap(jax.grad(loss))(jnp.stack([q, -q]), jnp.stack([k, k]),
+                                     jnp.stack([v, v]))
+  assert rel_err(batched[1], jax.grad(ref_loss)(-q, k, v)) < 1e-5
+
+  assert jflash.selected_implementation(q, k, v, is_causal=True) == \
+      "xla_for_inference"
+  assert jflash.selected_implementation(
+      q, k, v, is_causal=True, for_training=True) == "xla_for_training"
+
+
+def test_table_is_what_the_builder_makes_of_the_checked_in_results():
+  from benchmarks import dispatch_table
+  from jflash.backends import gpu_table
+  from pathlib import Path
+  results = Path(__file__).parent.parent / "benchmarks" / "results"
+  h100 = results / "2026-12-06-h100-anchors-dd5348b"
+  rows = []
+  for name in ("h128.jsonl", "h64-h256.jsonl"):
+    rows += dispatch_table.read(h100 / name)[1]
+  kind, h200_rows = dispatch_table.read(
+      results / "2026-12-04-h200-grid-2dfdde0" / "grid.json")
+  assert gpu_table.gpu_model(kind) == "H200"
+  built = (dispatch_table.build(rows, "H100", gpu_table._H100)
+           + dispatch_table.build(h200_rows, "H200", gpu_table._H200))
+  assert tuple(built) == gpu_table.TABLE
+
+
+def test_builder_picks_the_faster_backend_per_pass(tmp_path):
+  from benchmarks import dispatch_table
+  rng = np.random.default_rng()
+  rows, want = [], {}
+  for s in (1024, 4096):
+    fwd = {"cudnn": rng.uniform(300, 600), "jflash:mosaic_gpu":
+           rng.uniform(300, 600)}
+    bwd = {"cudnn": rng.uniform(300, 600), "jflash:mosaic_gpu":
+           rng.uniform(300, 600)}
+    for impl in fwd:
+      rows.append(dict(impl=impl, B=1, S=s, H=16, D=128, causal=True,
+                       fwd_tflops=fwd[impl], fwdbwd_tflops=bwd[impl]))
+    rows.append(dict(impl="tokamax_mosaic", B=1, S=s, H=16, D=128,
+                     causal=True, fwd_tflops=900.0, fwdbwd_tflops=900.0))
+    pick = lambda d: ("mosaic_gpu" if d["jflash:mosaic_gpu"] > 1.01
+                      * d["cudnn"] else "cudnn")
+    want[s] = (pick(fwd), pick(bwd))
+  path = tmp_path / "runs.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows))
+  entries = dispatch_table.build(dispatch_table.read(path)[1], "H100", "x")
+  assert {e.seq_len: (e.inference, e.training) for e in entries} == want
+  assert all((e.head_dim, e.mask, e.gqa) == (128, "causal", False)
+             for e in entries)
+
+
+def test_a_crash_tracing_for_another_platform_does_not_break_this_one(
+    monkeypatch, caplog):
+  """A backend that fails (other than by declining) while traced for a
+  platform other than the target is skipped there, with a warning; on the
+  target platform the error propagates."""
+  from jflash.backends import mosaic_tpu
+
+  def broken(self, call):
+    raise TypeError("broken kernel")
+  monkeypatch.setattr(mosaic_tpu.MosaicTpuBackend, "__call__", broken)
+  rng = fresh_rng()
+  case = _case(rng, is_causal=True)
+  q, k, v = case.arrays[:3]
+  f = _attention(case)
+  with caplog.at_level(logging.WARNING, logger="jflash"):
+    out = jax.jit(f)(q, k, v)
+    grads = jax.jit(jax.grad(lambda q: f(q, k, v).sum()))(q)
+  assert any("mosaic_tpu failed to trace for tpu" in r.getMessage()
+             for r in caplog.records)
+  ref_out, _ = case.call_reference(q, k, v, None)
+  assert rel_err(out, ref_out) < 1e-5
+  want = jax.grad(lambda q: case.call_reference(
+      q, k, v, None, jit=False)[0].sum())(q)
+  assert rel_err(grads, want) < 1e-5
+  # Traced for a TPU (under an abstract mesh of TPU devices), it raises.
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(
+                          device_kind="TPU v5 lite", num_cores=1,
+                          platform="tpu"))
+  with jax.sharding.use_abstract_mesh(mesh), \
+      pytest.raises(TypeError, match="broken kernel"):
+    jax.jit(_attention(case)).trace(q, k, v)
