@@ -368,9 +368,10 @@ def test_table_is_what_the_builder_makes_of_the_checked_in_results():
   from jflash.backends import gpu_table
   from pathlib import Path
   results = Path(__file__).parent.parent / "benchmarks" / "results"
-  h100 = results / "2026-12-06-h100-anchors-dd5348b"
+  h100 = results / "2026-12-06-h100-anchors"
   rows = []
-  for name in ("h128.jsonl", "h64-h256.jsonl"):
+  for name in ("h100-jax-2026-12-06-h128.jsonl",
+               "h100-jax-2026-12-06-h64-h256.jsonl"):
     rows += dispatch_table.read(h100 / name)[1]
   kind, h200_rows = dispatch_table.read(
       results / "2026-12-04-h200-grid-2dfdde0" / "grid.json")

@@ -48,7 +48,7 @@ class Entry:
   source: str
 
 
-_H100 = "benchmarks/results/2026-12-06-h100-anchors-dd5348b (H100 80GB HBM3)"
+_H100 = "benchmarks/results/2026-12-06-h100-anchors (H100 80GB HBM3)"
 _H200 = "benchmarks/results/2026-12-04-h200-grid-2dfdde0/grid.json (H200)"
 
 TABLE: tuple[Entry, ...] = (
