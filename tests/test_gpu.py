@@ -479,3 +479,46 @@ def test_mosaic_gpu_under_x64(head_dim, feature, q_len, kv_len):
   for name, x, ref in zip(("out", "dq", "dk", "dv"), got, want):
     assert np.isfinite(np.asarray(x, np.float32)).all(), (name, seed)
     assert rel_err(x, ref) < 1e-2, (name, rel_err(x, ref), seed)
+
+
+@pytest.mark.parametrize("head_dim,seq_len,is_causal", [
+    (128, 4096, False), (128, 16384, True), (256, 4096, False),
+    (64, 4096, True)])
+def test_default_order_on_hopper_follows_the_table(head_dim, seq_len,
+                                                   is_causal, caplog):
+  """``implementation=None`` on this GPU: the forward-only program holds
+  the backend chosen for inference and the gradient program the one chosen
+  for training (``selected_implementation``, from the measured table);
+  both match the float32 reference, and no branch traced for another
+  platform warns."""
+  rng, seed = conformance.new_rng()
+  batch, heads = 1, 2048 // head_dim // 4
+  q, k, v = (random_normal(rng, (batch, seq_len, heads, head_dim),
+                           jnp.bfloat16) for _ in range(3))
+  cot = random_normal(rng, q.shape, jnp.bfloat16)
+  case = Case(q, k, v, kwargs={"is_causal": is_causal})
+  exact = Case(*(x.astype(jnp.float32) for x in (q, k, v)),
+               kwargs=case.kwargs)
+
+  def default(*arrays):
+    return case.call_jflash(*arrays)
+
+  def reference(*arrays):
+    return exact.call_reference(*arrays, jit=False)[0]
+
+  forward = jax.jit(lambda q, k, v: default(q, k, v, None))
+  training = jax.jit(lambda q, k, v: grads_of(
+      default, Case(q, k, v, kwargs=case.kwargs), cot))
+  with caplog.at_level("WARNING", logger="jflash"):
+    for fn, for_training in ((forward, False), (training, True)):
+      name = jflash.selected_implementation(
+          q, k, v, is_causal=is_causal, for_training=for_training)
+      assert name in ("mosaic_gpu", "cudnn"), name
+      hlo = fn.lower(q, k, v).compile().as_text()
+      assert f"jflash/{name}" in hlo, (name, for_training)
+    got = (forward(q, k, v), *training(q, k, v))
+  assert not caplog.records, [r.getMessage() for r in caplog.records]
+  want = jax.jit(lambda q, k, v: (reference(q, k, v, None), *grads_of(
+      reference, Case(q, k, v, kwargs=exact.kwargs), cot)))(*exact.arrays[:3])
+  for label, x, ref in zip(("out", "dq", "dk", "dv"), got, want):
+    assert rel_err(x, ref) < 1e-2, (label, rel_err(x, ref), seed)
