@@ -82,16 +82,6 @@ class TestMosaicGpuFusedBackward(TestMosaicGpu):
     super().check_case(case, dtype, seed)
 
 
-class TestMosaicGpuOverlappedForward(TestMosaicGpu):
-  """The forward with ``MosaicGpuConfig(overlap_qk=True)``: each step's
-  ``Q K^T`` issued with the previous ``P V``."""
-
-  @property
-  def implementation(self):
-    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-    return MosaicGpuBackend(MosaicGpuConfig(overlap_qk=True))
-
-
 class TestMosaicGpuVariantForwardLoop(TestMosaicGpu):
   """The forward's opt-in loop and exponentials together
   (``MosaicGpuConfig(qk_after_pv=True, fma_exp2_columns=32)``): each
@@ -305,7 +295,7 @@ def test_mosaic_gpu_memory_at_128k():
 # a child process, so that a deadlock fails the test at its timeout
 # instead of stalling the suite.
 _MANY_ITEMS_CASES = [
-    (64, 1024, True, None, {}), (64, 1024, True, None, {"overlap_qk": True}),
+    (64, 1024, True, None, {}),
     (64, 4096, True, None, {}), (64, 1024, False, None, {}),
     (128, 1024, True, None, {}), (128, 1024, True, None,
                                   {"qk_after_pv": True}),

@@ -45,7 +45,6 @@ def _cuda_lowering(run, q, kv) -> str:
 @pytest.mark.parametrize("field,value", [("block_q", 96), ("block_kv", 0),
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
-                                         ("overlap_qk", "yes"),
                                          ("qk_after_pv", 1),
                                          ("fma_exp2_columns", 12),
                                          ("fma_exp2_columns", -8),
@@ -56,16 +55,9 @@ def test_config_rejects_bad_values(field, value):
     MosaicGpuConfig(**{field: value})
 
 
-def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
-  """qk_after_pv sets the forward's plain loop: a value other than the
-  default with overlap_qk=True would be dropped, so it is refused; either
-  value is kept without overlap_qk.  The table turns it on at head dim
+def test_qk_after_pv_default_follows_head_dim_and_features():
+  """A caller's qk_after_pv is kept; the table turns it on at head dim
   128 only, and segment ids or a soft cap turn it off."""
-  for head_dim, value in ((64, True), (128, False)):
-    with pytest.raises(ValueError,
-                       match=f"MosaicGpuConfig.qk_after_pv={value}.*overlap_qk"):
-      MosaicGpuConfig(overlap_qk=True, qk_after_pv=value).resolved(head_dim)
-  assert MosaicGpuConfig(overlap_qk=True).resolved(128).overlap_qk
   for value in (False, True):
     assert MosaicGpuConfig(qk_after_pv=value).resolved(64).qk_after_pv \
         == value
@@ -78,11 +70,10 @@ def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
 
 def test_chain_items_needs_the_qk_after_pv_loop():
   """chain_items chains the qk_after_pv loop: without that loop (asked
-  for, or by default at head dim 64 and with segment ids) or with
-  overlap_qk it would be dropped, so it is refused by name."""
+  for, or by default at head dim 64 and with segment ids) it would be
+  dropped, so it is refused by name."""
   for fields, head_dim, kw in ((dict(qk_after_pv=False), 128, {}),
-                               ({}, 64, {}), ({}, 128, dict(segments=True)),
-                               (dict(overlap_qk=True), 128, {})):
+                               ({}, 64, {}), ({}, 128, dict(segments=True))):
     with pytest.raises(ValueError, match="MosaicGpuConfig.chain_items=True"):
       MosaicGpuConfig(chain_items=True, **fields).resolved(head_dim, **kw)
   assert MosaicGpuConfig(chain_items=True).resolved(128).chain_items
@@ -573,8 +564,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
             assert tile.shape == (bq, bk) and tile.all()
 
 
-@pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
-                                     dict(qk_after_pv=True),
+@pytest.mark.parametrize("variant", [{}, dict(qk_after_pv=True),
                                      dict(qk_after_pv=True, chain_items=True),
                                      dict(fma_exp2_columns=32),
                                      dict(fuse_dq=True),
@@ -582,7 +572,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
                                      dict(overlap_sdp=True),
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
-                         ids=["default", "overlap_qk", "qk_after_pv",
+                         ids=["default", "qk_after_pv",
                               "chain_items", "fma_exp2",
                               "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
@@ -642,11 +632,10 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
                       else ("jflash_dq", "jflash_dkv"))
   for name in ("jflash_forward",) + backward_kernels:
     assert f"{name}_mosaic_gpu" in text, name
-  # Only the overlapped forward, and backward passes with overlap_sdp (set
-  # or by default), wait for all but the newest product.
+  # Only backward passes with overlap_sdp (set or by default) wait for all
+  # but the newest product.
   jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
-  assert ("wait_n=1" in jaxpr) == (plan.config.overlap_qk
-                                   or plan.config.overlap_sdp)
+  assert ("wait_n=1" in jaxpr) == plan.config.overlap_sdp
   if "overlap_sdp" in variant:
     assert plan.config.overlap_sdp == variant["overlap_sdp"]
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
-_SWITCHES = ("overlap_qk", "fuse_dq", "overlap_sdp", "qk_after_pv",
-             "chain_items")
+_SWITCHES = ("fuse_dq", "overlap_sdp", "qk_after_pv", "chain_items")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
 _FUSED_ONLY = ("dq_slots",)
 _DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
-# Read only with overlap_qk=False.
-_PLAIN_FORWARD_ONLY = ("qk_after_pv", "chain_items")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,15 +37,10 @@ class MosaicGpuConfig:
     stages_dq, stages_dkv: ring depths of the dQ and dK/dV passes (at
       least 1; 1 loads the next tile only after the current one is
       consumed).
-    overlap_qk: issue each forward step's ``Q K^T`` together with the
-      previous step's ``P V``, so that a consumer's softmax overlaps its own
-      matrix products as well as the other consumer's (FlashAttention-3's
-      intra-warpgroup pipelining).
-    qk_after_pv: in the forward without ``overlap_qk``, issue each step's
+    qk_after_pv: in the forward, issue each step's
       next ``Q K^T`` right behind its ``P V`` within the consumer's turn
       and wait for both together, so that the tensor cores do not drain
       between the two; off, ``Q K^T`` is issued once ``P V`` has finished.
-      Only read with ``overlap_qk=False``.
     chain_items: with ``qk_after_pv``, each item's last turn also issues
       the next item's first ``Q K^T``, so that the tensor cores have work
       queued while the consumer normalizes and writes the item's output
@@ -92,7 +84,6 @@ class MosaicGpuConfig:
   block_kv_dkv: int | None = None
   stages_dq: int | None = None
   stages_dkv: int | None = None
-  overlap_qk: bool | None = None
   fuse_dq: bool | None = None
   dq_slots: int | None = None
   overlap_sdp: bool | None = None
@@ -185,20 +176,16 @@ class MosaicGpuConfig:
     # with the table's value or the one a rule gives at this length.)
     table = tuned_config(head_dim, kv_len)
     unused = _FUSED_ONLY if not config.fuse_dq else _DQ_PASS_ONLY
-    if config.overlap_qk:
-      unused += _PLAIN_FORWARD_ONLY
     for name in unused:
       if getattr(self, name) not in (None, getattr(base, name),
                                      getattr(table, name)):
         raise ValueError(
             f"MosaicGpuConfig.{name}={getattr(self, name)!r} has no effect "
-            + (f"with overlap_qk=True: it sets the forward's plain loop, "
-               f"which overlap_qk replaces" if name in _PLAIN_FORWARD_ONLY
-               else f"with fuse_dq={config.fuse_dq}: "
-               + ("it sets the fused backward, which fuse_dq=True selects"
-                  if not config.fuse_dq else
-                  "it sets the separate dQ pass, which the fused backward "
-                  "replaces")))
+            + f"with fuse_dq={config.fuse_dq}: "
+            + ("it sets the fused backward, which fuse_dq=True selects"
+               if not config.fuse_dq else
+               "it sets the separate dQ pass, which the fused backward "
+               "replaces"))
     return config
 
 
@@ -219,19 +206,19 @@ _DEFAULTS = {
     # C7512); a 128-key tile fits but lost 5% to 9% forward at S=4096.
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                        stages_dq=2, stages_dkv=2, overlap_qk=False,
+                        stages_dq=2, stages_dkv=2,
                         fuse_dq=False, dq_slots=4, overlap_sdp=True,
                         qk_after_pv=False, chain_items=False,
                         fma_exp2_columns=0),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=2, stages_dkv=2, overlap_qk=False,
+                         stages_dq=2, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
                          qk_after_pv=True, chain_items=False,
                          fma_exp2_columns=0),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=1, stages_dkv=2, overlap_qk=False,
+                         stages_dq=1, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=False,
                          qk_after_pv=False, chain_items=False,
                          fma_exp2_columns=0),

@@ -54,7 +54,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
-                        overlap_qk: bool = False,
                         qk_after_pv: bool = False,
                         chain_items: bool = False,
                         fma_exp2_columns: int = 0,
@@ -77,11 +76,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       ``kv_count``).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
-    overlap_qk: issue each step's ``Q K^T`` together with the previous
-      step's ``P V``, so that a consumer's softmax also overlaps its own
-      ``P V`` (FlashAttention-3's intra-warpgroup pipelining; see
-      :func:`_overlapped_steps`).
-    qk_after_pv: without ``overlap_qk``, issue each step's next ``Q K^T``
+    qk_after_pv: issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
     chain_items: with ``qk_after_pv``, an item's last turn also issues the
@@ -128,7 +123,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       output_columns=head_dim)
   prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
   # MosaicGpuConfig.resolved refuses chain_items without this loop.
-  assert not chain_items or (qk_after_pv and not overlap_qk)
+  assert not chain_items or qk_after_pv
   if chain_items and not prefetch_q:
     raise ValueError(
         f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
@@ -237,8 +232,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # after the last P V.  In the waiting loop, loading it inside the
         # step loop spilled registers every step (head dim 128 with segment
         # ids), so Q loads once the item's products are done.
-        early_q = (prefetch_q and not chain_items and not overlap_qk
-                   and qk_after_pv)
+        early_q = prefetch_q and not chain_items and qk_after_pv
 
         def load_next_q(when=True):
           pl.when(jnp.logical_and(when, next_exists))(
@@ -283,14 +277,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return broadcast_cols(
               plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
 
-        def kv_segments_at(slot):
-          """The overlapped loop's key segment ids of ``slot``: waited for
-          and loaded at the start of the step."""
-          if kv_seg_ref is None:
-            return None
-          plgpu.barrier_wait(kvseg_ready.at[slot])
-          return kv_segments_loaded(slot)
-
         def release_k_after_scores(slot):
           """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
           segment ids ride in it (then softmax_and_turn releases it)."""
@@ -324,8 +310,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           with _region("softmax"):
             p, m_new, rescale = _exponentials(
                 qk, m, full=step_class == masks.FULL, logits=logits,
-                masked=mask_step, fma_columns=fma_exp2_columns,
-                slack=RESCALE_SLACK)
+                masked=mask_step, fma_columns=fma_exp2_columns)
             if segments_ride_k:
               plgpu.barrier_arrive(k_free.at[slot])
             # O is rescaled only in threads whose rows' maximum moved
@@ -475,17 +460,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # The consumers alternate on the tensor cores: each waits for the
         # turn before P V and passes it after the next Q K^T of the item,
         # or after P V at the item's last step (see _consumer).
-        if overlap_qk:
-          acc, m, l = _overlapped_steps(
-              acc, m, l, count=count, first_step=first_step, stages=stages,
-              tile=tile, dtype=dtype,
-              logits=logits, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
-              k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
-              wait_turn=lambda: common.wait_turn(wg),
-              pass_turn=lambda: common.pass_turn(wg),
-              step_info=step_info, kv_segments_at=kv_segments_at,
-              masked=masked, fma_columns=fma_exp2_columns)
-        elif not qk_after_pv:
+        if not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
               0, count, waiting_step, (acc, m, l, tuple(first_info)))
         else:
@@ -632,149 +607,40 @@ def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
 
 
 # How far (base 2) a row's maximum may rise above the reference it was
-# exponentiated against before the plain forward loop moves the reference
-# and rescales O and the row sums: probabilities stay below 2 ** 8, and
-# most steps after the first few leave O alone.
+# exponentiated against before the forward moves the reference and
+# rescales O and the row sums: probabilities stay below 2 ** 8, and most
+# steps after the first few leave O alone.
 RESCALE_SLACK = 8.0
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
-                  logits: LogitTransform, fma_columns: int = 0,
-                  slack: float = 0.0) -> tuple[Array, Array, Array]:
+                  logits: LogitTransform, fma_columns: int = 0
+                  ) -> tuple[Array, Array, Array]:
   """One online-softmax step from the raw products ``qk`` (``masked``
   applied unless ``full``): the float32 probabilities relative to the new
-  row maximum, that maximum, and the factor rescaling earlier sums to it.
-  The probabilities of the last ``fma_columns`` columns are computed on
+  row reference maximum (:func:`_reference`), that reference, and the
+  factor rescaling earlier sums to it.  The probabilities of the last ``fma_columns`` columns are computed on
   the FMA units (:func:`~jflash.backends.mosaic_gpu.common.exp2_split`)."""
   tile = qk.shape
   factor = logits.linear_factor
   if factor is None:
     s = lax.cond(full, lambda s: s, masked, logits(qk))
-    m_new = _reference(m, s.max(axis=1), slack)
+    m_new = _reference(m, s.max(axis=1))
     p = common.exp2_split(s - broadcast_rows(m_new, tile), fma_columns)
   else:  # the maximum of the raw products; one FMA per exponent
     qk = lax.cond(full, lambda s: s, masked, qk)
-    m_new = _reference(m, qk.max(axis=1) * factor, slack)
+    m_new = _reference(m, qk.max(axis=1) * factor)
     p = common.exp2_split(qk * factor - broadcast_rows(m_new, tile),
                           fma_columns)
   rescale = jnp.exp2(m - m_new)
-  if slack:
-    # Exactly 1 where the reference stayed: O is then left alone, and the
-    # row sums must not drift from it by the exponential's rounding.
-    rescale = jnp.where(m_new > m, rescale, 1.0)
+  # Exactly 1 where the reference stayed: O is then left alone, and the
+  # row sums must not drift from it by the exponential's rounding.
+  rescale = jnp.where(m_new > m, rescale, 1.0)
   return p, m_new, rescale
 
 
-def _reference(m: Array, tile_max: Array, slack: float) -> Array:
-  """The rows' new reference maximum: the running maximum, moved only when
-  the tile's exceeds the current reference by more than ``slack``."""
-  if not slack:
-    return jnp.maximum(m, tile_max)
-  return jnp.where(tile_max > m + slack, tile_max, m)
-
-
-def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
-                      logits,
-                      qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
-                      v_free, wait_turn, pass_turn, step_info,
-                      kv_segments_at, masked, fma_columns=0):
-  """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
-
-  Step ``j`` waits for its turn, issues ``S_j = Q K_j^T`` and then ``O +=
-  P_{j-1} V_{j-1}``, passes the turn, waits for ``S_j`` only (the older
-  product may still run), computes ``P_j`` and the new row maximum while
-  ``P V`` finishes, then rescales ``O``.  A first step computes ``S_0``
-  alone and a last one adds ``P V`` of the final tile.  Expects ``K_0``
-  waited for, and the turn taken as in the plain loop: every group of
-  products but the first (``S_0``, issued outside a turn) is issued after
-  ``wait_turn`` and followed by ``pass_turn``, so that per item each
-  consumer waits and passes alternately, once per step (the caller's one
-  pass of the first consumer before its first item and one wait of the
-  second after its last balance them).  ``step_info(i)`` gives step
-  ``i``'s tile class and key tile (``i`` clamped to the steps), read a
-  step ahead; ``masked(s, kv_tile, kv_seg)`` masks a partial tile.
-  Returns ``(acc, m, l)`` as the plain loop does.
-  """
-  def slot_of(i):
-    return lax.rem(first_step + i, common.i32(stages))
-
-  def update(qk, m, l, info, kv_seg):
-    """float32 probabilities, new maximum, rescale factor, new row sums."""
-    step_class, kv_tile = info
-    p, m_new, rescale = _exponentials(
-        qk, m, full=step_class == masks.FULL, logits=logits,
-        masked=lambda s: masked(s, kv_tile, kv_seg),
-        fma_columns=fma_columns)
-    return p, m_new, rescale, l * rescale + p.sum(axis=1)
-
-  def wait_next_k(i):
-    @pl.when(i + 1 < count)
-    def _():
-      plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
-
-  def first(carry):
-    acc, m, l, p, info = carry
-    kv_seg = kv_segments_at(slot_of(0))
-    following = step_info(1)
-
-    def qk_product(s_ref):
-      plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
-      return s_ref[...]
-    qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-    plgpu.barrier_arrive(k_free.at[slot_of(0)])
-    p, m, _, l = update(qk, m, l, info, kv_seg)  # O is still zero
-    wait_next_k(0)
-    return acc, m, l, p.astype(dtype), following
-
-  def step(j, carry):
-    acc, m, l, p_prev, info = carry
-    slot, prev = slot_of(j), slot_of(j - 1)
-    kv_seg = kv_segments_at(slot)
-    following = step_info(j + 1)
-    plgpu.barrier_wait(v_ready.at[prev])
-
-    def products(refs):
-      o_ref, m_ref, l_ref, p_ref, rescale_ref = refs  # p_ref: float32
-
-      def with_scores(s_ref):
-        wait_turn()
-        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-        pass_turn()
-        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, not P V
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, rescale, l_new = update(qk, m, l, info, kv_seg)
-        p_ref[...], m_ref[...] = p, m_new
-        l_ref[...], rescale_ref[...] = l_new, rescale
-        wait_next_k(j)
-      pl.run_scoped(with_scores, plgpu.ACC(tile, jnp.float32))
-    # P_j stays in float32 until P V has finished reading P_{j-1}: writing
-    # the registers of a wgmma operand while it is in flight makes ptxas
-    # serialize every wgmma of the loop (its warning C7513).
-    acc, m, l, p, rescale = pl.run_state(products)(
-        (plgpu.ACC.init(acc), m, l,
-         plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA),
-         m))
-    plgpu.barrier_arrive(v_free.at[prev])
-    return (acc * broadcast_rows(rescale, acc.shape), m, l, p.astype(dtype),
-            following)
-
-  def last(carry):
-    acc, m, l, p, info = carry
-    slot = slot_of(count - 1)
-    plgpu.barrier_wait(v_ready.at[slot])
-
-    def pv_product(o_ref):
-      wait_turn()
-      plgpu.wgmma(o_ref, p, v_smem.at[slot])
-      pass_turn()
-    acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(v_free.at[slot])
-    return acc, m, l, p, info
-
-  p = plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA)
-  carry = (acc, m, l, p, step_info(0))
-  carry = lax.cond(count > 0, first, lambda c: c, carry)
-  carry = lax.fori_loop(1, count, step, carry)
-  acc, m, l, _, _ = lax.cond(count > 0, last, lambda c: c, carry)
-  return acc, m, l
+def _reference(m: Array, tile_max: Array) -> Array:
+  """The rows' new reference maximum: the current reference, moved to the
+  tile's maximum only when that exceeds it by more than
+  :data:`RESCALE_SLACK`."""
+  return jnp.where(tile_max > m + RESCALE_SLACK, tile_max, m)
