@@ -4,7 +4,7 @@ the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 The search starts from the current tuned table (``tuned_config``, before
 the measured rules of ``default_config``) and changes one group of fields
 at a time: the forward tiling (block_q, block_kv, stages), then the
-forward's loop (``qk_after_pv``, ``chain_items``) and at
+forward's loop (``qk_after_pv``) and at
 head dim 64 the share of exponentials on the FMA units, timing the
 forward alone; then the backward's groups (dQ tiles, dK/dV tiles, ring
 depths, ``fuse_dq`` where the head dim allows it), timing
@@ -136,12 +136,8 @@ def forward_candidates(head_dim: int) -> list[MosaicGpuConfig]:
 
 def forward_switches() -> list[dict]:
   """Tried on the best forward tiling: the loop with ``Q K^T`` issued
-  after ``P V`` has finished or right behind it, the latter also chained
-  across items (``chain_items``; refused where its buffers do not fit,
-  e.g. head dim 256)."""
-  return [dict(qk_after_pv=False, chain_items=False),
-          dict(qk_after_pv=True, chain_items=False),
-          dict(qk_after_pv=True, chain_items=True)]
+  after ``P V`` has finished or right behind it."""
+  return [dict(qk_after_pv=False), dict(qk_after_pv=True)]
 
 
 def exp2_splits(head_dim: int) -> list[dict]:

@@ -19,7 +19,7 @@ from jflash import masks
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
-from jflash.backends.mosaic_gpu import common, forward
+from jflash.backends.mosaic_gpu import common
 from tests._support import random_segments
 
 
@@ -68,21 +68,6 @@ def test_qk_after_pv_default_follows_head_dim_and_features():
   assert mosaic_gpu.default_config(128, 4096, causal=True).qk_after_pv
 
 
-def test_chain_items_needs_the_qk_after_pv_loop():
-  """chain_items chains the qk_after_pv loop: without that loop (asked
-  for, or by default at head dim 64 and with segment ids) it would be
-  dropped, so it is refused by name."""
-  for fields, head_dim, kw in ((dict(qk_after_pv=False), 128, {}),
-                               ({}, 64, {}), ({}, 128, dict(segments=True))):
-    with pytest.raises(ValueError, match="MosaicGpuConfig.chain_items=True"):
-      MosaicGpuConfig(chain_items=True, **fields).resolved(head_dim, **kw)
-  assert MosaicGpuConfig(chain_items=True).resolved(128).chain_items
-  assert MosaicGpuConfig(chain_items=True, qk_after_pv=True).resolved(
-      64, segments=True).chain_items
-  assert not any(mosaic_gpu.default_config(h).chain_items
-                 for h in (64, 128, 256))
-
-
 def _forward_kernel_text(head_dim: int, **fields) -> str:
   """The traced forward (its kernel body included) for a causal mask."""
   mask = masks.AttentionMask(batch=1, q_len=256, kv_len=256, is_causal=True)
@@ -97,21 +82,16 @@ def _forward_kernel_text(head_dim: int, **fields) -> str:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_forward_switches_reach_the_kernel(head_dim):
-  """qk_after_pv, chain_items and fma_exp2_columns change the forward
-  kernel that is traced, not only the resolved configuration: the chained
-  loop issues more products (its first Q K^T before the loop, its last P V
-  alone; across items, a last step with the next item's Q K^T too), and
-  the FMA exponentials bring integer bit operations the special-function
-  path has none of."""
+  """qk_after_pv and fma_exp2_columns change the forward kernel that is
+  traced, not only the resolved configuration: the chained loop issues
+  more products (its first Q K^T before the loop, its last P V alone),
+  and the FMA exponentials bring integer bit operations the
+  special-function path has none of."""
   default = _forward_kernel_text(head_dim, qk_after_pv=False)
   chained = _forward_kernel_text(head_dim, qk_after_pv=True)
-  across_items = _forward_kernel_text(head_dim, qk_after_pv=True,
-                                      chain_items=True)
   fma = _forward_kernel_text(head_dim, qk_after_pv=False,
                              fma_exp2_columns=32)
   assert chained.count("wgmma") > default.count("wgmma")
-  # chain_items adds the last step that also issues the next item's Q K^T.
-  assert across_items.count("wgmma") > chained.count("wgmma")
   assert "shift_left" not in default and "shift_left" in fma
   assert fma.count("bitcast_convert_type") > default.count(
       "bitcast_convert_type")
@@ -565,7 +545,6 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 
 @pytest.mark.parametrize("variant", [{}, dict(qk_after_pv=True),
-                                     dict(qk_after_pv=True, chain_items=True),
                                      dict(fma_exp2_columns=32),
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
@@ -573,7 +552,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
                          ids=["default", "qk_after_pv",
-                              "chain_items", "fma_exp2",
+                              "fma_exp2",
                               "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
                               "plain_sdp", "fuse_dq_overlap_sdp"])
@@ -613,17 +592,6 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
       head_dim=head_dim)
 
   run = _forward_and_backward(mask, plan)
-  c = plan.config
-  if variant.get("chain_items") and forward._forward_smem_bytes(
-      c.block_q, c.block_kv, c.stages, head_dim, jnp.bfloat16,
-      "segments" in features,
-      output_columns=head_dim) > common.SMEM_LIMIT_BYTES:
-    # Two Q buffers per consumer do not fit in shared memory beside the
-    # ring (head dim 256; 64 with segment ids and 256-key tiles): refused
-    # by name, not dropped.
-    with pytest.raises(ValueError, match="chain_items=True needs two Q"):
-      _cuda_lowering(run, q, kv)
-    return
   text = _cuda_lowering(run, q, kv)
   # Forward, then dQ and dK/dV, or the one fused backward kernel.
   kernels = text.count("custom_call @mosaic_gpu")

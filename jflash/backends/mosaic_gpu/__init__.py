@@ -307,7 +307,6 @@ def _forward(q, k, v, mask, plan: _Plan):
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
       qk_after_pv=c.qk_after_pv,
-      chain_items=c.chain_items,
       fma_exp2_columns=c.fma_exp2_columns, **_extents(pads))
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-_SWITCHES = ("fuse_dq", "overlap_sdp", "qk_after_pv", "chain_items")
+_SWITCHES = ("fuse_dq", "overlap_sdp", "qk_after_pv")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
 _FUSED_ONLY = ("dq_slots",)
 _DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
@@ -41,13 +41,6 @@ class MosaicGpuConfig:
       next ``Q K^T`` right behind its ``P V`` within the consumer's turn
       and wait for both together, so that the tensor cores do not drain
       between the two; off, ``Q K^T`` is issued once ``P V`` has finished.
-    chain_items: with ``qk_after_pv``, each item's last turn also issues
-      the next item's first ``Q K^T``, so that the tensor cores have work
-      queued while the consumer normalizes and writes the item's output
-      (the gap between items, which short rows and windows pay once per
-      few steps).  Each consumer's Q and output buffers then alternate
-      roles item by item.  Needs ``qk_after_pv=True`` and room in shared
-      memory for the separate output buffer (not at head dim 256).
     fma_exp2_columns: of each forward key tile's columns, how many (a
       multiple of 8; a value of at least the tile's width, which short
       sequences narrow, means all of them) take their exponentials on the
@@ -88,7 +81,6 @@ class MosaicGpuConfig:
   dq_slots: int | None = None
   overlap_sdp: bool | None = None
   qk_after_pv: bool | None = None
-  chain_items: bool | None = None
   fma_exp2_columns: int | None = None
 
   def __post_init__(self):
@@ -160,13 +152,6 @@ class MosaicGpuConfig:
       raise ValueError("MosaicGpuConfig.overlap_sdp needs stages_dq of at "
                        "least 2, got stages_dq=1 (a one-buffer dQ pass "
                        "computes dP before S)")
-    if config.chain_items and not config.qk_after_pv:
-      raise ValueError("MosaicGpuConfig.chain_items=True chains the "
-                       "qk_after_pv loop across items: it needs "
-                       "qk_after_pv=True, got qk_after_pv=False"
-                       + (" (the default here: off at head dims 64 and 256 "
-                          "and with segment ids or a soft cap; set it "
-                          "explicitly)" if self.qk_after_pv is None else ""))
     if config.fuse_dq and padded_head_dim(head_dim) > 128:
       raise ValueError(f"MosaicGpuConfig.fuse_dq serves head dims up to 128, "
                        f"got head dim {head_dim}")
@@ -208,19 +193,19 @@ _DEFAULTS = {
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2,
                         fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                        qk_after_pv=False, chain_items=False,
+                        qk_after_pv=False,
                         fma_exp2_columns=0),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                         qk_after_pv=True, chain_items=False,
+                         qk_after_pv=True,
                          fma_exp2_columns=0),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=False,
-                         qk_after_pv=False, chain_items=False,
+                         qk_after_pv=False,
                          fma_exp2_columns=0),
 }
 

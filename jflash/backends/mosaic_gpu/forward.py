@@ -55,7 +55,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
                         qk_after_pv: bool = False,
-                        chain_items: bool = False,
                         fma_exp2_columns: int = 0,
                         q_pad: int | None = None,
                         kv_pad: int | None = None) -> tuple[Array, Array]:
@@ -79,11 +78,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     qk_after_pv: issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
-    chain_items: with ``qk_after_pv``, an item's last turn also issues the
-      next item's first ``Q K^T``, so that the tensor cores have it queued
-      while this consumer writes the item's output.  Each consumer then
-      keeps two buffers that alternate between an item's Q and its
-      output, the next item's Q loading during this item's first step.
     fma_exp2_columns: of each key tile's ``block_kv`` columns, how many (a
       multiple of 8) take their exponentials on the FMA units instead of
       the special-function unit.
@@ -122,18 +116,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       block_q, block_kv, stages, head_dim, dtype, segments,
       output_columns=head_dim)
   prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
-  # MosaicGpuConfig.resolved refuses chain_items without this loop.
-  assert not chain_items or qk_after_pv
-  if chain_items and not prefetch_q:
-    raise ValueError(
-        f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
-        f"{with_output_buffer} bytes of shared memory at head dim "
-        f"{head_dim}, block_q={block_q}, block_kv={block_kv}, "
-        f"stages={stages}, above the {common.SMEM_LIMIT_BYTES} available; "
-        f"use fewer stages or a narrower block_kv")
-  # Q buffers per consumer pair: with chain_items, buffer 2 * parity + wg
-  # holds the Q (then the output) of the items of that parity.
-  q_buffers = 4 if chain_items else 2
 
   def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
              block_order_ref, *rest):
@@ -155,21 +137,15 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       if o_smem2 is None:
         o_smem2 = q_smem2  # the output leaves through Q's buffer
 
-      def q_buffer(parity):
-        """This consumer's Q buffer for items of ``parity``."""
-        return 2 * parity + wg if chain_items else wg
-
-      def load_q(head, b, q_block, parity=0):
+      def load_q(head, b, q_block):
         """Starts the copies of this consumer's Q rows (and their segment
-        ids) of an item into its buffer for ``parity``."""
+        ids) of an item into its buffer."""
         q_base = (q_block * 2 + wg) * block_q
-        buf = q_buffer(parity)
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
-                                q_smem2.at[buf], q_ready.at[buf])
+                                q_smem2.at[wg], q_ready.at[wg])
         if q_seg_ref is not None:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
-                                  qseg_smem2.at[buf],
-                                  q_ready.at[q_buffers + buf])
+                                  qseg_smem2.at[wg], q_ready.at[2 + wg])
 
       def schedule_head(b, q_block):
         """An item's number of steps and its first step's tile class and
@@ -180,15 +156,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       def consume_item(head, b, q_block, carry, next_item):
         """One consumer's work on an item whose first K/V tile sits at
         ring step ``first_step``, its schedule_head read by the item
-        before; returns the next item's first step (with ``chain_items``,
-        also the next item's buffer parity, whether its first ``Q K^T``
-        was issued here, and that product) and the next item's
-        schedule_head."""
-        ring, (count, *first_info) = carry
-        if chain_items:
-          first_step, parity, pre, qk_pre = ring
-        else:
-          first_step, parity, pre, qk_pre = ring, 0, None, None
+        before; returns the next item's first step and schedule_head."""
+        first_step, (count, *first_info) = carry
         # The next item's schedule is read now, so that its latency is
         # not waited for between this item's output and the next's first
         # products.
@@ -199,10 +168,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return order_ref[b, q_block, step]
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
-        buf = q_buffer(parity)
-        qo_smem = q_smem2.at[buf]
-        # With chain_items the output leaves through the item's Q buffer.
-        o_smem = qo_smem if chain_items else o_smem2.at[wg]
+        qo_smem = q_smem2.at[wg]
+        o_smem = o_smem2.at[wg]
         next_exists, next_where = next_item
         my_block = q_block * 2 + wg
         q_base = my_block * block_q
@@ -213,16 +180,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           load_q(head, b, q_block)
         q_seg = None
         if q_seg_ref is not None:
-          plgpu.barrier_wait(q_ready.at[q_buffers + buf])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[buf], layout=_ROW),
+          plgpu.barrier_wait(q_ready.at[2 + wg])
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
                                  tile)
-        if chain_items:
-          # A chained item's Q was waited for before its first Q K^T.
-          pl.when(jnp.logical_not(pre))(
-              lambda: plgpu.barrier_wait(q_ready.at[buf]))
-        else:
-          with _region("q_wait"):
-            plgpu.barrier_wait(q_ready.at[wg])
+        with _region("q_wait"):
+          plgpu.barrier_wait(q_ready.at[wg])
 
         # In the qk_after_pv loop the next item's Q is loaded once the
         # chained steps are done (the item's last Q K^T has then completed
@@ -232,19 +194,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # after the last P V.  In the waiting loop, loading it inside the
         # step loop spilled registers every step (head dim 128 with segment
         # ids), so Q loads once the item's products are done.
-        early_q = prefetch_q and not chain_items and qk_after_pv
+        early_q = prefetch_q and qk_after_pv
 
         def load_next_q(when=True):
           pl.when(jnp.logical_and(when, next_exists))(
               lambda: load_q(*next_where))
-
-        def prefetch_next():
-          """chain_items: once the previous item's output and logsumexp
-          copies have read their buffers, the next item's Q loads into the
-          buffer that held the previous item's."""
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pl.when(next_exists)(
-              lambda: load_q(*next_where, parity=1 - parity))
 
         def masked(s, kv_tile, kv_seg):
           return spec.mask_tile(s, row_start=q_base, col_tile=kv_tile,
@@ -348,29 +302,22 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           acc, m, l, qk, info = carry
           following = step_info(i + 1)
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
-          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(i), slot_of(i + 1),
-                                   qo_smem)
-          if chain_items:
-            pl.when(i == 0)(prefetch_next)
+          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(i), slot_of(i + 1))
           return acc, m, l, qk, following
 
-        def pv_then_scores(acc, qk, p_low, slot, after, q_smem,
-                           q_waited=None):
+        def pv_then_scores(acc, qk, p_low, slot, after):
           """``O += P V`` on ``slot``, then ``S = Q K^T`` on K's ``after``
-          slot (``q_smem`` holding Q, ready once ``q_waited`` completes when
-          given), the turn passed after both are issued; waits for both."""
+          slot, the turn passed after both are issued; waits for both."""
           def products(refs):
             o_ref, qk_ref = refs
             plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
-            if q_waited is not None:
-              plgpu.barrier_wait(q_waited)
             plgpu.barrier_wait(k_ready.at[after])
 
             # S's accumulator is allocated after P V is issued: zeros
             # materialized before it make ptxas zero 64 registers per step
             # instead of starting the product without an accumulator.
             def scores(s_ref):
-              plgpu.wgmma(s_ref, q_smem, k_smem.at[after].transpose((1, 0)))
+              plgpu.wgmma(s_ref, qo_smem, k_smem.at[after].transpose((1, 0)))
               common.pass_turn(wg)
               qk_ref[...] = s_ref[...]
             pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
@@ -379,18 +326,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           plgpu.barrier_arrive(v_free.at[slot])
           release_k_after_scores(after)
           return acc, qk
-
-        def last_step_chained(carry):
-          """chain_items: the item's last step issues ``O += P V`` and then
-          the next item's first ``S = Q' K^T`` (its Q in the other buffer,
-          its first K tile the ring's next slot) in one turn."""
-          acc, m, l, qk, info = carry
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
-          next_buf = q_buffer(1 - parity)
-          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(count - 1),
-                                   slot_of(count), q_smem2.at[next_buf],
-                                   q_waited=q_ready.at[next_buf])
-          return acc, m, l, qk, info
 
         def last_step(carry):
           """The item's last step: ``O += P V`` alone, and the turn passed
@@ -447,13 +382,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
                               _ROW)
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
-        # An item's first K tile is waited for here, or (chain_items) by the
-        # previous item's last step, which issued its first Q K^T.
-        first_k_due = count > 0
-        if chain_items:
-          first_k_due = jnp.logical_and(first_k_due, jnp.logical_not(pre))
-
-        @pl.when(first_k_due)
+        @pl.when(count > 0)
         def _():
           with _region("first_k_wait"):
             plgpu.barrier_wait(k_ready.at[lax.rem(first_step, common.i32(stages))])
@@ -466,33 +395,15 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
-          if chain_items:
-            qk = lax.cond(pre, lambda: qk_pre,
-                          lambda: lax.cond(count > 0, first_scores,
-                                           lambda: zeros))
-            # Items of fewer than two steps have no chained step to load
-            # the next item's Q in.
-            pl.when(count <= 1)(prefetch_next)
-          else:
-            qk = lax.cond(count > 0, first_scores, lambda: zeros)
+          qk = lax.cond(count > 0, first_scores, lambda: zeros)
           carry = lax.fori_loop(0, count - 1, chained_step,
                                 (acc, m, l, qk, tuple(first_info)))
           if early_q:
             load_next_q()  # the last step's Q K^T has completed
-          if chain_items:
-            # Chain into the next item when it has a tile to visit.
-            chain = jnp.logical_and(
-                jnp.logical_and(next_exists, count > 0),
-                next_head[0] > 0)
-            acc, m, l, qk_next, _ = lax.cond(
-                chain, last_step_chained,
-                lambda c: lax.cond(count > 0, last_step, lambda c: c, c),
-                carry)
-          else:
-            acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
-                                       carry)
+          acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
+                                     carry)
 
-        if prefetch_q and not chain_items:
+        if prefetch_q:
           if not early_q:
             # Every Q K^T of this item has completed: the next item's Q may
             # take the buffer while this one's output is written.
@@ -512,8 +423,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
               o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
           plgpu.copy_smem_to_gmem(
               lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
-        if chain_items:
-          return (first_step + count, 1 - parity, chain, qk_next), next_head
         return first_step + count, next_head
 
       @pl.when(wg < 2)
@@ -532,13 +441,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # consumer before the other's wait would complete the 256-thread
         # barrier without it, and the consumers would deadlock.)
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
-        ring = jnp.int32(0)
-        if chain_items:
-          ring = (ring, jnp.int32(0), jnp.bool_(False),
-                  plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
-                                    plgpu.Layout.WGMMA))
         _, (_, first_b, first_block) = item_at(0)
-        for_each_item(consume_item, (ring, schedule_head(first_b, first_block)))
+        for_each_item(consume_item,
+                      (jnp.int32(0), schedule_head(first_b, first_block)))
         pl.when(wg == 1)(lambda: common.wait_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
@@ -555,17 +460,16 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
     pl.run_scoped(
         body,
-        common.smem_tile((q_buffers, block_q, head_dim), dtype),
-        common.smem_tile((2, block_q, head_dim), dtype)
-        if prefetch_q and not chain_items else None,
+        common.smem_tile((2, block_q, head_dim), dtype),
+        common.smem_tile((2, block_q, head_dim), dtype) if prefetch_q else None,
         common.smem_tile((stages, block_kv, head_dim), dtype),
         common.smem_tile((stages, block_kv, head_dim), dtype),
         plgpu.SMEM((2, block_q), jnp.float32),
-        plgpu.SMEM((q_buffers, block_q), jnp.int32) if segments else None,
+        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
         plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=2 * q_buffers),
+        plgpu.Barrier(num_barriers=4),  # Q, then query segment ids
         plgpu.Barrier(num_barriers=stages) if segments else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
