@@ -4,9 +4,7 @@ the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 The search starts from the current tuned table (``tuned_config``, before
 the measured rules of ``default_config``) and changes one group of fields
 at a time: the forward tiling (block_q, block_kv, stages), then the
-forward's loop (``qk_after_pv``) and at
-head dim 64 the share of exponentials on the FMA units, timing the
-forward alone; then the backward's groups (dQ tiles, dK/dV tiles, ring
+forward's loop (``qk_after_pv``), timing the forward alone; then the backward's groups (dQ tiles, dK/dV tiles, ring
 depths, ``fuse_dq`` where the head dim allows it), timing
 forward+backward.
 
@@ -140,15 +138,6 @@ def forward_switches() -> list[dict]:
   return [dict(qk_after_pv=False), dict(qk_after_pv=True)]
 
 
-def exp2_splits(head_dim: int) -> list[dict]:
-  """Tried on the best forward loop where the softmax waits on the
-  special-function unit (head dim 64): a share of each key tile's
-  exponentials on the FMA units instead.  Elsewhere none."""
-  if head_dim > 64:
-    return []
-  return [dict(fma_exp2_columns=n) for n in (0, 16, 32, 64)]
-
-
 def backward_groups(head_dim: int) -> list[list[dict]]:
   """Field groups varied one after another for the backward."""
   blocks = (64, 128)
@@ -176,9 +165,7 @@ def search_groups(head_dim: int) -> list[tuple[str, list[dict]]]:
   timed on (``fwd`` or ``fwdbwd``)."""
   tilings = [dict(block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
              for c in forward_candidates(head_dim)]
-  splits = exp2_splits(head_dim)
   return ([("fwd", tilings), ("fwd", forward_switches())] +
-          ([("fwd", splits)] if splits else []) +
           [("fwdbwd", group) for group in backward_groups(head_dim)])
 
 

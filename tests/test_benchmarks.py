@@ -187,8 +187,7 @@ def test_tuner_candidates_include_the_defaults_and_fit():
       assert smem <= 227 * 1024
     # Every switch and backward group entry is a valid config for the head
     # dim (the fused backward is offered only where it serves).
-    for fields in tune_mosaic_gpu.forward_switches() + \
-        tune_mosaic_gpu.exp2_splits(head_dim) + [
+    for fields in tune_mosaic_gpu.forward_switches() + [
         f for group in tune_mosaic_gpu.backward_groups(head_dim)
         for f in group]:
       dataclasses.replace(default, **fields).resolved(head_dim)

@@ -83,16 +83,14 @@ class TestMosaicGpuFusedBackward(TestMosaicGpu):
 
 
 class TestMosaicGpuVariantForwardLoop(TestMosaicGpu):
-  """The forward's opt-in loop and exponentials together
-  (``MosaicGpuConfig(qk_after_pv=True, fma_exp2_columns=32)``): each
-  step's next ``Q K^T`` issued right behind its ``P V``, and 32 columns of
-  every key tile exponentiated on the FMA units."""
+  """The forward's other loop at every head dim
+  (``MosaicGpuConfig(qk_after_pv=True)``, the default at head dim 128
+  only): each step's next ``Q K^T`` issued right behind its ``P V``."""
 
   @property
   def implementation(self):
     from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-    return MosaicGpuBackend(MosaicGpuConfig(qk_after_pv=True,
-                                            fma_exp2_columns=32))
+    return MosaicGpuBackend(MosaicGpuConfig(qk_after_pv=True))
 
 
 class TestMosaicGpuOverlappedBackward(TestMosaicGpu):

@@ -46,8 +46,6 @@ def _cuda_lowering(run, q, kv) -> str:
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
                                          ("qk_after_pv", 1),
-                                         ("fma_exp2_columns", 12),
-                                         ("fma_exp2_columns", -8),
                                          ("block_q_dq", 64.0),
                                          ("dq_slots", 0), ("dq_slots", 2.0)])
 def test_config_rejects_bad_values(field, value):
@@ -81,52 +79,13 @@ def _forward_kernel_text(head_dim: int, **fields) -> str:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_forward_switches_reach_the_kernel(head_dim):
-  """qk_after_pv and fma_exp2_columns change the forward kernel that is
-  traced, not only the resolved configuration: the chained loop issues
-  more products (its first Q K^T before the loop, its last P V alone),
-  and the FMA exponentials bring integer bit operations the
-  special-function path has none of."""
+def test_qk_after_pv_reaches_the_kernel(head_dim):
+  """qk_after_pv changes the forward kernel that is traced, not only the
+  resolved configuration: the chained loop issues more products (its
+  first Q K^T before the loop, its last P V alone)."""
   default = _forward_kernel_text(head_dim, qk_after_pv=False)
   chained = _forward_kernel_text(head_dim, qk_after_pv=True)
-  fma = _forward_kernel_text(head_dim, qk_after_pv=False,
-                             fma_exp2_columns=32)
   assert chained.count("wgmma") > default.count("wgmma")
-  assert "shift_left" not in default and "shift_left" in fma
-  assert fma.count("bitcast_convert_type") > default.count(
-      "bitcast_convert_type")
-
-
-def test_exp2_on_fma_matches_exp2_and_gives_zero_for_minus_infinity():
-  """The FMA-unit exponential the forward can use for part of a tile:
-  relative error within its documented 1.02e-4 over the softmax's whole
-  range (x <= 0, down to the smallest normal), exactly 0 for -inf and
-  for the masked logits' -1e30, and never negative or non-finite.  Run op
-  by op: under jit, XLA folds the (x + c) - c rounding step away, which
-  the kernel's compiler does not."""
-  from jflash.backends.mosaic_gpu.common import exp2_on_fma, exp2_split
-  rng = _rng()
-  x = np.concatenate([-rng.uniform(0, 126, 50_000), -rng.uniform(0, 1, 5_000),
-                      -rng.integers(0, 126, 200).astype(np.float64),
-                      -rng.integers(0, 126, 200) - 0.5]).astype(np.float32)
-  got = np.asarray(exp2_on_fma(jnp.asarray(x)), np.float64)
-  want = np.exp2(x.astype(np.float64))
-  assert np.max(np.abs(got - want) / want) <= 1.02e-4
-  special = np.asarray(exp2_on_fma(jnp.asarray(
-      [-np.inf, -1e30, -127.0, -200.0], jnp.float32)))
-  np.testing.assert_array_equal(special, 0.0)
-  tail = np.asarray(exp2_on_fma(jnp.asarray(
-      -rng.uniform(126, 127, 1000), jnp.float32)))
-  assert np.all(np.isfinite(tail)) and np.all(tail >= 0) and tail.max() < 2e-38
-  # The split: the last columns by the cubic, the others exactly exp2.
-  tile = jnp.asarray(-rng.uniform(0, 30, (8, 64)), jnp.float32)
-  split = np.asarray(exp2_split(tile, 16))
-  np.testing.assert_array_equal(split[:, :48],
-                                np.asarray(jnp.exp2(tile))[:, :48])
-  np.testing.assert_array_equal(split[:, 48:],
-                                np.asarray(exp2_on_fma(tile[:, 48:])))
-  np.testing.assert_array_equal(np.asarray(exp2_split(tile, 64)),
-                                np.asarray(exp2_on_fma(tile)))
 
 
 def test_fused_backward_rejects_head_dim_256():
@@ -545,14 +504,12 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
 
 
 @pytest.mark.parametrize("variant", [{}, dict(qk_after_pv=True),
-                                     dict(fma_exp2_columns=32),
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
                                      dict(overlap_sdp=True),
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
                          ids=["default", "qk_after_pv",
-                              "fma_exp2",
                               "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
                               "plain_sdp", "fuse_dq_overlap_sdp"])

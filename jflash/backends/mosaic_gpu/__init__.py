@@ -306,8 +306,7 @@ def _forward(q, k, v, mask, plan: _Plan):
       block_order=block_order,
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
-      qk_after_pv=c.qk_after_pv,
-      fma_exp2_columns=c.fma_exp2_columns, **_extents(pads))
+      qk_after_pv=c.qk_after_pv, **_extents(pads))
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 

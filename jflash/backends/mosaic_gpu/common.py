@@ -46,51 +46,6 @@ def smem_bytes(*buffers: int) -> int:
   buffers, such as segment ids, leave gaps that a plain sum misses."""
   return sum(-(-n // 1024) * 1024 for n in buffers)
 
-# 2**f = 1 + f (c1 + f (c2 + f c3)) on [-1/2, 1/2], fitted for the least
-# largest relative error with the constant term exactly 1, so that
-# exp2_on_fma(-inf) is exactly 0: at most 1.02e-4, against bfloat16's
-# rounding of P (up to 2e-3).
-_EXP2_COEFFS = (0.6932828212811846, 0.24220930265269397, 0.05500821615854732)
-# Adding 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to an
-# integer, which the sum's low mantissa bits then hold in two's complement.
-_ROUNDING_SHIFT = 12582912.0
-
-
-def exp2_on_fma(x: Array) -> Array:
-  """``2 ** x`` for float32 ``x <= 0`` (or ``-inf``, giving exactly 0;
-  ``NaN`` gives a meaningless number) on the FMA and integer units, not
-  the special-function unit: ``x = n + f`` with ``n`` an integer and
-  ``|f| <= 1/2``, a cubic for ``2 ** f``, and ``n`` added to its
-  exponent bits.  Nine instructions per element where ``jnp.exp2`` is one
-  MUFU instruction: worth it on a share of a tile whose softmax waits on
-  the MUFU unit (head dim 64, where a step's exponentials take about as
-  long as its products).  Relative error at most 1.02e-4 (down to
-  ``2 ** -126``; below it, denormals)."""
-  x = jnp.maximum(x, -127.0)
-  shifted = x + _ROUNDING_SHIFT
-  n = shifted - _ROUNDING_SHIFT  # round(x)
-  f = x - n
-  c1, c2, c3 = _EXP2_COEFFS
-  poly = ((c3 * f + c2) * f + c1) * f + 1.0
-  bits = (lax.bitcast_convert_type(poly, jnp.int32)
-          + lax.shift_left(lax.bitcast_convert_type(shifted, jnp.int32),
-                           23))
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def exp2_split(x: Array, emulated_columns: int) -> Array:
-  """``2 ** x`` of a ``[rows, cols]`` WGMMA-layout tile: the last
-  ``emulated_columns`` columns (a multiple of 8) by :func:`exp2_on_fma`,
-  the rest by the special-function unit."""
-  if not emulated_columns:
-    return jnp.exp2(x)
-  cols = x.shape[1]
-  if emulated_columns >= cols:
-    return exp2_on_fma(x)
-  return jnp.concatenate([jnp.exp2(x[:, :cols - emulated_columns]),
-                          exp2_on_fma(x[:, cols - emulated_columns:])],
-                         axis=1)
-
 
 # Row reductions of WGMMA-layout tiles stay inside a warp (a row lives in
 # four threads of one quad), so the kernels need no shared-memory scratch

@@ -41,13 +41,6 @@ class MosaicGpuConfig:
       next ``Q K^T`` right behind its ``P V`` within the consumer's turn
       and wait for both together, so that the tensor cores do not drain
       between the two; off, ``Q K^T`` is issued once ``P V`` has finished.
-    fma_exp2_columns: of each forward key tile's columns, how many (a
-      multiple of 8; a value of at least the tile's width, which short
-      sequences narrow, means all of them) take their exponentials on the
-      FMA units (a cubic and an exponent add, relative error at most
-      1.02e-4, against bfloat16's 2e-3 rounding of the probabilities)
-      instead of the special-function unit, whose throughput bounds the
-      softmax at head dim 64.  0 (the default) uses that unit for all.
     fuse_dq: form dQ inside the dK/dV pass, adding each key block's
       contribution into a float32 accumulator in a fixed order
       (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
@@ -81,7 +74,6 @@ class MosaicGpuConfig:
   dq_slots: int | None = None
   overlap_sdp: bool | None = None
   qk_after_pv: bool | None = None
-  fma_exp2_columns: int | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -96,11 +88,7 @@ class MosaicGpuConfig:
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"MosaicGpuConfig.{field.name} must be an int or "
                          f"None, got {value!r}")
-      if field.name == "fma_exp2_columns":
-        if value < 0 or value % 8:
-          raise ValueError(f"MosaicGpuConfig.fma_exp2_columns must be a "
-                           f"non-negative multiple of 8, got {value}")
-      elif field.name == "dq_slots":
+      if field.name == "dq_slots":
         if value < 1:
           raise ValueError(f"MosaicGpuConfig.dq_slots must be at least 1, "
                            f"got {value}")
@@ -193,20 +181,17 @@ _DEFAULTS = {
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2,
                         fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                        qk_after_pv=False,
-                        fma_exp2_columns=0),
+                        qk_after_pv=False),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=2, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                         qk_after_pv=True,
-                         fma_exp2_columns=0),
+                         qk_after_pv=True),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                          stages_dq=1, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=False,
-                         qk_after_pv=False,
-                         fma_exp2_columns=0),
+                         qk_after_pv=False),
 }
 
 

@@ -55,7 +55,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
                         qk_after_pv: bool = False,
-                        fma_exp2_columns: int = 0,
                         q_pad: int | None = None,
                         kv_pad: int | None = None) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
@@ -78,10 +77,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     qk_after_pv: issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
-    fma_exp2_columns: of each key tile's ``block_kv`` columns, how many (a
-      multiple of 8) take their exponentials on the FMA units instead of
-      the special-function unit.
-
     q_pad, kv_pad: the tiled query and key extents (multiples of the
       tiles), when the arrays are shorter: their tail tiles are then read
       through TMA's zero fill and written only within the arrays.  Default:
@@ -264,7 +259,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           with _region("softmax"):
             p, m_new, rescale = _exponentials(
                 qk, m, full=step_class == masks.FULL, logits=logits,
-                masked=mask_step, fma_columns=fma_exp2_columns)
+                masked=mask_step)
             if segments_ride_k:
               plgpu.barrier_arrive(k_free.at[slot])
             # O is rescaled only in threads whose rows' maximum moved
@@ -518,24 +513,21 @@ RESCALE_SLACK = 8.0
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
-                  logits: LogitTransform, fma_columns: int = 0
-                  ) -> tuple[Array, Array, Array]:
+                  logits: LogitTransform) -> tuple[Array, Array, Array]:
   """One online-softmax step from the raw products ``qk`` (``masked``
   applied unless ``full``): the float32 probabilities relative to the new
   row reference maximum (:func:`_reference`), that reference, and the
-  factor rescaling earlier sums to it.  The probabilities of the last ``fma_columns`` columns are computed on
-  the FMA units (:func:`~jflash.backends.mosaic_gpu.common.exp2_split`)."""
+  factor rescaling earlier sums to it."""
   tile = qk.shape
   factor = logits.linear_factor
   if factor is None:
     s = lax.cond(full, lambda s: s, masked, logits(qk))
     m_new = _reference(m, s.max(axis=1))
-    p = common.exp2_split(s - broadcast_rows(m_new, tile), fma_columns)
+    p = jnp.exp2(s - broadcast_rows(m_new, tile))
   else:  # the maximum of the raw products; one FMA per exponent
     qk = lax.cond(full, lambda s: s, masked, qk)
     m_new = _reference(m, qk.max(axis=1) * factor)
-    p = common.exp2_split(qk * factor - broadcast_rows(m_new, tile),
-                          fma_columns)
+    p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
   rescale = jnp.exp2(m - m_new)
   # Exactly 1 where the reference stayed: O is then left alone, and the
   # row sums must not drift from it by the exponential's rounding.
