@@ -26,8 +26,9 @@ dim at S=16384)::
       --seqs 16384 --out tune.json
 
 With several lengths (``--seqs 1024,16384``) the head dim's row comes from
-the longest, and the others give per-length entries for ``_BY_LENGTH``
-(:func:`length_table`).
+the longest; for each other length the fields in which its best differs
+from that row are printed (:func:`length_differences`), for a rule in
+``default_config`` if they are worth one.
 
 The feature rules of ``default_config`` (tiles and loops for segment ids
 and soft caps) are tuned with a feature mask alone: ``--masks segments``
@@ -354,29 +355,21 @@ def _show(row: dict) -> str:
   return f"  {row['pass_']:6s} {row['fields']}: {value}"
 
 
-def length_table(best_by_seq: dict[int, MosaicGpuConfig]
-                 ) -> tuple[MosaicGpuConfig, tuple[tuple[int, dict], ...]]:
-  """The head dim's row and its per-length entries from the best
-  configuration at each tuned length.
-
-  The row is the best at the longest length.  Each shorter length ``S``
-  gets an entry covering the keys up to the geometric mean of ``S`` and the
-  next tuned length, holding the fields in which its best differs from the
-  row (an empty entry keeps the row there).  No entries when every length
-  agrees with the row.
-  """
+def length_differences(best_by_seq: dict[int, MosaicGpuConfig]
+                       ) -> tuple[MosaicGpuConfig, dict[int, dict]]:
+  """The head dim's row (the best at the longest tuned length) and, for
+  each shorter length whose best differs from it, the differing fields."""
   seqs = sorted(best_by_seq)
   row = best_by_seq[seqs[-1]]
-  entries = []
-  for seq, longer in zip(seqs, seqs[1:]):
+  differences = {}
+  for seq in seqs[:-1]:
     best = best_by_seq[seq]
     fields = {f.name: getattr(best, f.name)
               for f in dataclasses.fields(best)
               if getattr(best, f.name) != getattr(row, f.name)}
-    entries.append((round(math.sqrt(seq * longer)), fields))
-  if not any(fields for _, fields in entries):
-    return row, ()
-  return row, tuple(entries)
+    if fields:
+      differences[seq] = fields
+  return row, differences
 
 
 def main() -> None:
@@ -384,7 +377,8 @@ def main() -> None:
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--seqs", "--seq", dest="seqs", default="4096",
                       help="comma-separated sequence lengths; with several, "
-                      "per-length entries are printed too")
+                      "the row comes from the longest and the others' "
+                      "differences from it are printed")
   parser.add_argument("--masks", default=",".join(TABLE_MASKS),
                       help=f"comma-separated, from {TABLE_MASKS}, or one of "
                       f"{FEATURE_MASKS} alone (tunes that feature's rule)")
@@ -474,22 +468,21 @@ def _combined(paths: list[str]) -> dict[int, dict[int, MosaicGpuConfig]]:
 
 
 def _print_table(table: dict[int, dict[int, MosaicGpuConfig]]) -> None:
-  """The rows for ``_DEFAULTS`` and, where several lengths were tuned, the
-  entries for ``_BY_LENGTH``, ready to paste."""
+  """The rows for ``_DEFAULTS``, ready to paste, and where several
+  lengths were tuned, each shorter length's differences from its row."""
   print("\nPaste into jflash/backends/mosaic_gpu/config.py (_DEFAULTS):")
-  several = any(len(by_seq) > 1 for by_seq in table.values())
-  entries_by_head = {}
+  differences_by_head = {}
   for head_dim, by_seq in table.items():
-    row, entries_by_head[head_dim] = length_table(by_seq)
+    row, differences_by_head[head_dim] = length_differences(by_seq)
     fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(
         row).items())
     same = row == tuned_config(head_dim, max(by_seq))
     print(f"    {head_dim}: MosaicGpuConfig({fields}),"
           + ("  # the default, kept" if same else ""))
-  if several:
-    print("and (_BY_LENGTH):")
-    for head_dim, entries in entries_by_head.items():
-      print(f"    {head_dim}: {entries!r},")
+  for head_dim, differences in differences_by_head.items():
+    for seq, fields in differences.items():
+      print(f"    head dim {head_dim}, S={seq} differs from the row in: "
+            + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
 
 if __name__ == "__main__":

@@ -200,14 +200,10 @@ def test_config_resolves_per_head_dim():
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
+def test_key_tiles_never_wider_than_the_keys(head_dim):
   """With the number of keys known, the forward and dQ key tiles narrow to
   the smallest of 64, 128, 256 covering them (never widening the tuned
-  tile); an explicit tile is kept; long sequences get the tuned table.
-  (The narrowing alone: no per-length entries.)"""
-  from jflash.backends.mosaic_gpu import config as config_module
-  monkeypatch.setattr(config_module, "_BY_LENGTH",
-                      {64: (), 128: (), 256: ()})
+  tile); an explicit tile is kept; long sequences get the tuned table."""
   tuned = mosaic_gpu.default_config(head_dim)
   rng = _rng()
   # (4095: below the fused backward's rule, tested on its own.)
@@ -255,30 +251,6 @@ def test_feature_rules_narrow_key_tiles(head_dim):
   explicit = MosaicGpuConfig(block_kv_dq=row.block_kv_dq).resolved(
       head_dim, 4096, soft_cap=True)
   assert explicit.block_kv_dq == row.block_kv_dq
-
-
-def test_per_length_entries_apply_up_to_their_length(monkeypatch):
-  """A per-length entry replaces its fields for every kv_len up to its
-  bound (the first covering entry wins), before the narrowing rule; fields
-  the caller sets are kept; without kv_len the head dim's row applies."""
-  from jflash.backends.mosaic_gpu import config as config_module
-  monkeypatch.setattr(config_module, "_BY_LENGTH", {
-      64: (), 128: ((2048, dict(stages=3, block_kv_dq=64)),
-                    (8192, dict(stages=3))), 256: ()})
-  row = mosaic_gpu.default_config(128)
-  assert mosaic_gpu.default_config(128, 2048).stages == 3
-  assert mosaic_gpu.default_config(128, 2048).block_kv_dq == 64
-  assert mosaic_gpu.default_config(128, 2049).block_kv_dq == row.block_kv_dq
-  assert mosaic_gpu.default_config(128, 8192).stages == 3
-  # Past the entries only the fused-backward rule changes the row.
-  assert mosaic_gpu.default_config(128, 8193) == dataclasses.replace(
-      row, fuse_dq=True, dq_slots=1)
-  assert mosaic_gpu.default_config(128) == row
-  # Narrowing still applies on top: 100 keys take a 128-key tile.
-  assert mosaic_gpu.default_config(128, 100).block_kv_dq == 64
-  assert mosaic_gpu.default_config(128, 100).block_kv == 128
-  assert MosaicGpuConfig(stages=2).resolved(128, 1000).stages == 2
-  assert mosaic_gpu.default_config(64, 1000) == mosaic_gpu.default_config(64)
 
 
 def test_fused_backward_default_needs_many_keys_and_no_moving_mask():

@@ -195,18 +195,6 @@ _DEFAULTS = {
 }
 
 
-# Per padded head dim, fields that differ from the row above for shorter
-# sequences: ``(max_kv_len, fields)`` entries in increasing ``max_kv_len``;
-# the first entry with ``kv_len <= max_kv_len`` applies.  Printed by
-# benchmarks/tune_mosaic_gpu.py when it is given several lengths (a length
-# tuned at S covers the keys up to the geometric mean of S and the next
-# tuned length).  Empty: no length has yet had a winner over the row above
-# on both masks by the tuner's margin (tuned on an H200: S=1024 at head
-# dim 128, every candidate within 1% or slower; see docs/performance.md).
-_BY_LENGTH: dict[int, tuple[tuple[int, dict], ...]] = {64: (), 128: (),
-                                                        256: ()}
-
-
 def padded_head_dim(head_dim: int) -> int:
   """The head dim the kernels run at: 64, 128 or 256."""
   for size in (64, 128, 256):
@@ -291,14 +279,12 @@ _FUSED_RULES: dict[bool, dict[int, tuple[int, int | None, dict] | None]] = {
 def tuned_config(head_dim: int, kv_len: int | None = None
                  ) -> MosaicGpuConfig:
   """The tuned table alone for a head dim (padded to 64, 128 or 256): its
-  row, the per-length entry covering ``kv_len`` when given
-  (``_BY_LENGTH``: the first entry whose ``max_kv_len`` covers ``kv_len``
-  replaces its fields), and the narrowing of key tiles to ``kv_len``
-  (see :func:`default_config`).  This is what
+  row with the narrowing of key tiles to ``kv_len`` when given (see
+  :func:`default_config`).  This is what
   ``benchmarks/tune_mosaic_gpu.py`` starts from and prints; the measured
   rules of :func:`default_config` come on top."""
   padded = padded_head_dim(head_dim)
-  return _narrowed(_table(padded, kv_len), kv_len, {})
+  return _narrowed(_DEFAULTS[padded], kv_len, {})
 
 
 def default_config(head_dim: int, kv_len: int | None = None, *,
@@ -330,7 +316,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     pass's tile a divisor of the padded length.
   """
   padded = padded_head_dim(head_dim)
-  config = _table(padded, kv_len)
+  config = _DEFAULTS[padded]
   rule = _FUSED_RULES[bool(causal)][padded]
   if (kv_len is not None and rule is not None and not (soft_cap or segments)
       and window is None and kv_len >= rule[0]
@@ -347,16 +333,6 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   if segments:
     widest["block_kv"] = _SEGMENTS_MAX_BLOCK_KV[padded]
   return _narrowed(config, kv_len, widest)
-
-
-def _table(padded: int, kv_len: int | None) -> MosaicGpuConfig:
-  """The head dim's row with the per-length entry covering ``kv_len``."""
-  config = _DEFAULTS[padded]
-  if kv_len is not None:
-    for max_kv_len, fields in _BY_LENGTH[padded]:
-      if kv_len <= max_kv_len:
-        return dataclasses.replace(config, **fields)
-  return config
 
 
 def _narrowed(config: MosaicGpuConfig, kv_len: int | None,
