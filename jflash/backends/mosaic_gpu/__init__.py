@@ -6,10 +6,12 @@ and any sequence lengths; head dims up to 256 run at 64, 128 or 256 (zero
 padded).  It declines (``NotImplementedError``) float32 inputs, a dense
 ``bias`` or ``mask``, and interpret mode; the next backend serves those.
 
-The forward saves the float32 logsumexp; the backward
-(:mod:`~jflash.backends.mosaic_gpu.backward`) recomputes probabilities from
-it in a dQ kernel and a dK/dV kernel, without atomics, so reruns are
-bitwise identical.
+The forward saves the float32 logsumexp; the backward recomputes
+probabilities from it (:mod:`~jflash.backends.mosaic_gpu.backward_common`)
+in a dQ kernel (:mod:`~jflash.backends.mosaic_gpu.backward_dq`) and a dK/dV
+kernel (:mod:`~jflash.backends.mosaic_gpu.backward_dkv`), or in one fused
+kernel (:mod:`~jflash.backends.mosaic_gpu.backward_fused`), without
+atomics, so reruns are bitwise identical.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
-from jflash.backends.mosaic_gpu import (backward, backward_dq, backward_fused,
-                                       forward)
+from jflash.backends.mosaic_gpu import (backward_dkv, backward_dq,
+                                       backward_fused, forward)
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
@@ -422,7 +424,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   order, count, classes, block_order = _metadata(
       _shared_keys_metadata if split_outputs else _keys_metadata, mask,
       c.block_q_dkv, c.block_kv_dkv, pads)
-  dk, dv = backward.dkv_kernel_call(
+  dk, dv = backward_dkv.dkv_kernel_call(
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
       block_order=block_order,
       block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,

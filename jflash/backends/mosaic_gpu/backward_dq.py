@@ -7,7 +7,7 @@ consumer warpgroups keep ``dQ`` of their rows in registers while a producer
 streams the row block's nonempty K/V tiles through a ring that runs on from
 one item into the next; each step recomputes ``P`` from the saved
 logsumexp, forms ``dS = P * (dO V^T - delta)`` and adds ``dS K`` (see
-:mod:`~jflash.backends.mosaic_gpu.backward`).
+:mod:`~jflash.backends.mosaic_gpu.backward_common`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.backward import (_COL, _ROW, _optional,
-                                                 _probabilities,
-                                                 _score_gradient)
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
-                                               broadcast_cols, broadcast_rows)
+from jflash.backends.mosaic_gpu.backward_common import (
+    optional_inputs, probabilities, score_gradient)
+from jflash.backends.mosaic_gpu.common import (
+    COL, ROW, LogitTransform, MaskSpec, broadcast_cols, broadcast_rows)
 
 Array = jax.Array
 
@@ -66,7 +65,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   group = num_heads // k.shape[2]
   dtype = q.dtype
   tile = (block_q, block_kv)
-  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
 
   num_q_blocks = q_pad // (2 * block_q)
@@ -129,14 +128,14 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         q_seg = None
         if q_seg_ref is not None:
           plgpu.barrier_wait(q_ready.at[4 * wg + 3])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=ROW),
                                  tile)
         for j in range(3):
           plgpu.barrier_wait(q_ready.at[4 * wg + j])
         lse2 = broadcast_rows(
-            plgpu.load(stats_smem2.at[wg, 0], layout=_ROW), tile)
+            plgpu.load(stats_smem2.at[wg, 0], layout=ROW), tile)
         delta = broadcast_rows(
-            plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
+            plgpu.load(stats_smem2.at[wg, 1], layout=ROW), tile)
 
         def step_info(i):
           """Step ``i``'s tile class and key tile, read a step early: the
@@ -173,7 +172,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           if kv_seg_ref is not None:
             plgpu.barrier_wait(kvseg_ready.at[slot])
             if dp_first:
-              kv_seg_cols = plgpu.load(kvseg_smem.at[slot], layout=_COL)
+              kv_seg_cols = plgpu.load(kvseg_smem.at[slot], layout=COL)
           if dp_first:
             dp = dp_then_free_v()
           plgpu.barrier_wait(k_ready.at[slot])
@@ -182,7 +181,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             kv_seg = None
             if kv_seg_ref is not None:
               cols = kv_seg_cols if dp_first else plgpu.load(
-                  kvseg_smem.at[slot], layout=_COL)
+                  kvseg_smem.at[slot], layout=COL)
               kv_seg = broadcast_cols(cols, tile)
             return spec.mask_tile(s, row_start=q_base + zero,
                                   col_tile=kv_tile,
@@ -201,7 +200,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             def products(s_ref, dp_ref):
               s_product(s_ref)
               plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-              p, derivative = _probabilities(
+              p, derivative = probabilities(
                   plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits,
                   full, masked, lse2)
               return p, derivative, dp_ref[...]
@@ -214,7 +213,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               s_product(acc_ref)
               return acc_ref[...]
             qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-            p, derivative = _probabilities(qk, logits, full, masked, lse2)
+            p, derivative = probabilities(qk, logits, full, masked, lse2)
             if derivative is not None:
               # Only dS reads P here: fold the soft cap's derivative in
               # before dP's tile becomes live (offline ptxas: 96 bytes of
@@ -222,7 +221,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               p, derivative = p * derivative, None
             if not dp_first:
               dp = dp_then_free_v()
-          ds = _score_gradient(p, dp, delta, derivative)
+          ds = score_gradient(p, dp, delta, derivative)
 
           def dq_product(acc_ref):
             plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])

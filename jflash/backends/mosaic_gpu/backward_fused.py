@@ -1,6 +1,6 @@
 """Hopper backward in one pass: dK, dV and dQ from the dK/dV loop.
 
-The two-pass backward (:mod:`~jflash.backends.mosaic_gpu.backward`) does
+The two-pass backward (:mod:`~jflash.backends.mosaic_gpu.backward_dkv`) does
 seven tile products per visited tile, because its dQ pass recomputes ``S``
 and ``dP``.  This kernel does the five of the FlashAttention convention:
 the dK/dV loop also forms each step's dQ contribution ``dS K`` and adds it
@@ -61,17 +61,14 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.backward import (QUERY_RING_REFS, QueryRing,
-                                                 _optional,
-                                                 _score_gradient,
-                                                 query_ring_bytes,
-                                                 query_ring_scratch)
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
+from jflash.backends.mosaic_gpu.backward_common import (
+    QUERY_RING_REFS, QueryRing, optional_inputs, query_ring_bytes,
+    query_ring_scratch, score_gradient)
+from jflash.backends.mosaic_gpu.common import (ROW, LogitTransform, MaskSpec,
                                                broadcast_rows)
 
 Array = jax.Array
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
@@ -94,7 +91,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       that see nothing) and ``delta``.
     q_order, q_count, classes: the dK/dV schedule at ``2 * block_kv`` keys
       per CTA, as for
-      :func:`~jflash.backends.mosaic_gpu.backward.dkv_kernel_call`.
+      :func:`~jflash.backends.mosaic_gpu.backward_dkv.dkv_kernel_call`.
     ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
       ``q_order``, how many key blocks before this one and of the same
       accumulator (:func:`jflash.masks.earlier_visitors` with ``slots``)
@@ -125,7 +122,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
   num_q_tiles = q_pad // block_q
   dtype = q.dtype
   tile = (block_kv, block_q)  # transposed: keys are the rows here
-  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
   # One dQ staging buffer per consumer where they fit (step i's
   # contribution comes from consumer i % 2), else one for both.
@@ -180,7 +177,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                                   kv_ready.at[3 * wg + 2])
           plgpu.barrier_wait(kv_ready.at[3 * wg + 2])
           kv_seg = broadcast_rows(
-              plgpu.load(kvseg_smem2.at[wg], layout=_ROW), tile)
+              plgpu.load(kvseg_smem2.at[wg], layout=ROW), tile)
         plgpu.barrier_wait(kv_ready.at[3 * wg])
         plgpu.barrier_wait(kv_ready.at[3 * wg + 1])
         # The dQ products read both consumers' K tiles.
@@ -227,7 +224,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             p, derivative, dp, delta = ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
                 full=full, mask=mask, want_dp=True, together=overlap_sdp)
-            ds = _score_gradient(p, dp, delta, derivative)
+            ds = score_gradient(p, dp, delta, derivative)
             wait_ds_slot()
 
             def dv_dk_products(refs):

@@ -99,6 +99,10 @@ def loop_variant_zero(tile_class: Array) -> Array:
   return jnp.minimum(tile_class, 0)
 
 
+# Register layouts of a WGMMA tile's row and column vectors.
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
+
 TILING = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)
 # Float32 tiles in shared memory that registers store and load in the

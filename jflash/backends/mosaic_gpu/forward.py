@@ -35,13 +35,11 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
-                                               broadcast_cols, broadcast_rows)
+from jflash.backends.mosaic_gpu.common import (
+    COL, ROW, LogitTransform, MaskSpec, broadcast_cols, broadcast_rows)
 
 Array = jax.Array
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
 # Named regions of the kernel: spans in a Mosaic GPU profile (compiler
 # params with profile_space, as tools/forward_trace.py sets them), and
 # nothing otherwise.
@@ -176,7 +174,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         q_seg = None
         if q_seg_ref is not None:
           plgpu.barrier_wait(q_ready.at[2 + wg])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=ROW),
                                  tile)
         with _region("q_wait"):
           plgpu.barrier_wait(q_ready.at[wg])
@@ -224,7 +222,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           over the tile; the plain loops call it only where a tile is
           masked."""
           return broadcast_cols(
-              plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
+              plgpu.load(kvseg_smem.at[slot], layout=COL), tile)
 
         def release_k_after_scores(slot):
           """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
@@ -375,8 +373,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
-                              _ROW)
-        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
+                              ROW)
+        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
         @pl.when(count > 0)
         def _():
           with _region("first_k_wait"):

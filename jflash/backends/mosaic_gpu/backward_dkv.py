@@ -1,35 +1,23 @@
-"""Hopper backward kernels: dQ, and dK/dV, with no atomics.
+"""Hopper dK/dV kernel of the two-pass backward, with no atomics.
 
-Both recompute the probabilities from the saved logsumexp.  With ``s`` the
-base-2 logits of :class:`~jflash.backends.mosaic_gpu.common.LogitTransform`
-and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
-``dS = P * (dO V^T - delta)`` (times the soft cap's derivative), where
-``delta = rowsum(dO * O) - dlse`` folds in the logsumexp's own cotangent.
-
-* dQ (:mod:`~jflash.backends.mosaic_gpu.backward_dq`): two consumer
-  warpgroups keep ``dQ`` for their rows in registers while a producer streams
-  the row block's nonempty K/V tiles, as the forward does.
-* dK/dV: a persistent kernel, one CTA per SM looping over items (key/value
-  head, ``2 * block_kv`` keys, batch row) dealt as
-  :class:`~jflash.backends.mosaic_gpu.common.PersistentItems` says; two
-  consumer warpgroups keep ``dK`` and ``dV`` of their keys in registers while
-  the producer streams Q, dO and the row statistics of every query head of
-  the GQA group over the key block's nonempty query tiles.  The query ring
-  runs on from one item into the next, and where shared memory allows
-  separate output buffers the next item's keys load while this item's
-  outputs are written.  Summing the group
-  inside one CTA, in a fixed order, makes the result deterministic without
-  materializing repeated K/V.  At head dim 256 the two accumulators do not
-  fit in one warpgroup's registers; both warpgroups then take the same keys,
-  one accumulating dV and the other dK.  The dV warpgroup forms ``P`` and
-  hands it to the dK warpgroup through shared memory, so that each
-  warpgroup does two of a step's four products.
+A persistent kernel, one CTA per SM looping over items (key/value head,
+``2 * block_kv`` keys, batch row) dealt as
+:class:`~jflash.backends.mosaic_gpu.common.PersistentItems` says; two
+consumer warpgroups keep ``dK`` and ``dV`` of their keys in registers while
+the producer streams Q, dO and the row statistics of every query head of
+the GQA group over the key block's nonempty query tiles
+(:class:`~jflash.backends.mosaic_gpu.backward_common.QueryRing`).  The
+query ring runs on from one item into the next, and where shared memory
+allows separate output buffers the next item's keys load while this item's
+outputs are written.  Summing the group inside one CTA, in a fixed order,
+makes the result deterministic without materializing repeated K/V.  At head
+dim 256 the two accumulators do not fit in one warpgroup's registers; both
+warpgroups then take the same keys, one accumulating dV and the other dK.
+The dV warpgroup forms ``P`` and hands it to the dK warpgroup through
+shared memory, so that each warpgroup does two of a step's four products.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -39,225 +27,18 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
-                                               broadcast_cols, broadcast_rows)
+from jflash.backends.mosaic_gpu.backward_common import (
+    QUERY_RING_REFS, QueryRing, optional_inputs, query_ring_bytes,
+    query_ring_scratch, score_gradient)
+from jflash.backends.mosaic_gpu.common import (ROW, LogitTransform, MaskSpec,
+                                               broadcast_rows)
 
 Array = jax.Array
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
 # Named regions of the dK/dV kernel: spans in a Mosaic GPU profile (compiler
 # params with profile_space, as tools/forward_trace.py --backward sets
 # them), and nothing otherwise.
 _region = jax.named_scope
-
-
-def _optional(**arrays):
-  names = [n for n, x in arrays.items() if x is not None]
-  return names, [arrays[n] for n in names]
-
-
-def _probabilities(qk: Array, logits: LogitTransform, full: Array, masked,
-                   lse2: Array) -> tuple[Array, Array | None]:
-  """``P = exp2(s - lse2)`` of the raw products ``qk`` (``masked`` applied
-  unless ``full``), and the soft cap's derivative (None without a cap)."""
-  factor = logits.linear_factor
-  if factor is not None:  # mask the raw products; one FMA per exponent
-    qk = lax.cond(full, lambda s: s, masked, qk)
-    return jnp.exp2(qk * factor - lse2), None
-  s = logits(qk)
-  p = jnp.exp2(lax.cond(full, lambda s: s, masked, s) - lse2)
-  return p, logits.derivative(s)
-
-
-def _score_gradient(p: Array, dp: Array, delta: Array,
-                    derivative: Array | None) -> Array:
-  """``dS = P * (dP - delta)``, times the soft cap's derivative if any."""
-  ds = p * (dp - delta)
-  return ds if derivative is None else ds * derivative
-
-
-@dataclasses.dataclass(frozen=True)
-class QueryRing:
-  """The shared-memory ring through which a producer streams query tiles
-  (Q, dO, the row statistics and optionally segment ids) to the consumers
-  of a key-block kernel, with its ready/free barriers (each indexed by
-  slot)."""
-
-  q: Any
-  do: Any
-  stats: Any
-  segments: Any  # None without segment ids
-  q_ready: Any
-  do_ready: Any
-  stats_ready: Any
-  segments_ready: Any
-  q_free: Any
-  do_free: Any
-
-  def stream(self, steps, head_and_tile, *, stages: int, block_q: int, b,
-             q_ref, do_ref, stats_ref, q_seg_ref, first_step=0) -> None:
-    """Producer loop: step ``i`` copies query tile ``head_and_tile(i)`` into
-    slot ``(first_step + i) % stages`` once the consumers freed it
-    (``first_step`` counts the ring's earlier uses, by a persistent
-    kernel's earlier items)."""
-
-    @pl.loop(0, steps)
-    def _load(i):
-      used = first_step + i
-      slot = lax.rem(used, common.i32(stages))
-      head, q_tile = head_and_tile(i)
-      rows = pl.ds(q_tile * block_q, block_q)
-
-      @pl.when(used >= stages)
-      def _():
-        with _region("q_free_wait"):
-          plgpu.barrier_wait(self.q_free.at[slot])
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], self.q.at[slot],
-                              self.q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
-                              self.stats.at[slot], self.stats_ready.at[slot])
-      if q_seg_ref is not None:
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], self.segments.at[slot],
-                                self.segments_ready.at[slot])
-
-      @pl.when(used >= stages)
-      def _():
-        with _region("do_free_wait"):
-          plgpu.barrier_wait(self.do_free.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], self.do.at[slot],
-                              self.do_ready.at[slot])
-
-  def probabilities(self, slot, *, k_smem, tile: tuple[int, int],
-                    logits: LogitTransform, full, mask, v_smem=None):
-    """The transposed probabilities ``P^T = exp2(K Q^T (scaled) - lse2)``
-    of the step on slot ``slot`` (``mask(s, q_seg)`` applied unless
-    ``full``) and the soft cap's derivative (or None).  Waits for Q, the
-    row statistics and the segment ids.
-
-    With ``v_smem``, ``dP^T = V dO^T`` is issued right after ``K Q^T``
-    and returned third: ``P`` is formed while the tensor cores compute it
-    (dO is waited for first)."""
-    with _region("q_wait"):
-      plgpu.barrier_wait(self.q_ready.at[slot])
-      plgpu.barrier_wait(self.stats_ready.at[slot])
-    q_seg = None
-    if self.segments is not None:
-      plgpu.barrier_wait(self.segments_ready.at[slot])
-      q_seg = broadcast_cols(
-          plgpu.load(self.segments.at[slot], layout=_COL), tile)
-    lse2 = broadcast_cols(
-        plgpu.load(self.stats.at[slot, 0], layout=_COL), tile)
-
-    if v_smem is not None:
-      with _region("do_wait"):
-        plgpu.barrier_wait(self.do_ready.at[slot])
-
-      def products(s_ref, dp_ref):
-        with _region("s_wait"):
-          plgpu.wgmma(s_ref, k_smem, self.q.at[slot].transpose((1, 0)))
-          plgpu.wgmma(dp_ref, v_smem, self.do.at[slot].transpose((1, 0)))
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-        with _region("p"):
-          p, derivative = _probabilities(s, logits, full,
-                                         lambda s: mask(s, q_seg), lse2)
-        with _region("dp_wait"):
-          dp = dp_ref[...]
-        return p, derivative, dp
-      return pl.run_scoped(products, plgpu.ACC(tile, jnp.float32),
-                           plgpu.ACC(tile, jnp.float32))
-
-    def kq_product(acc_ref):
-      plgpu.wgmma(acc_ref, k_smem, self.q.at[slot].transpose((1, 0)))
-      return acc_ref[...]
-    qk = pl.run_scoped(kq_product, plgpu.ACC(tile, jnp.float32))
-    return _probabilities(qk, logits, full, lambda s: mask(s, q_seg), lse2)
-
-  def delta(self, slot, tile: tuple[int, int]) -> Array:
-    """``delta`` of the step's queries, broadcast over the tile (the row
-    statistics must have been waited for)."""
-    return broadcast_cols(
-        plgpu.load(self.stats.at[slot, 1], layout=_COL), tile)
-
-  def dp_product(self, slot, *, v_smem, tile: tuple[int, int]) -> Array:
-    """``dP^T = V dO^T`` of the step (dO must have been waited for)."""
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, v_smem, self.do.at[slot].transpose((1, 0)))
-      return acc_ref[...]
-    return pl.run_scoped(product, plgpu.ACC(tile, jnp.float32))
-
-  def dv_first_products(self, slot, p: Array, derivative: Array, *,
-                        v_smem, tile: tuple[int, int], dtype, dv: Array,
-                        dk: Array, ds_sink=None) -> tuple[Array, Array]:
-    """The products of a step with a soft cap, dV's first: ``dV += P^T
-    dO`` is issued, the cap's derivative folded into ``P`` while it runs
-    (only ``dS`` reads the product), then ``dP^T = V dO^T``, ``dS`` (with
-    ``delta`` loaded only then) and ``dK += dS Q``.  ``P`` and the
-    derivative are thus never both live next to ``dP``'s tile.
-    ``ds_sink(ds)``, if given, receives ``dS`` in ``dtype`` before dK's
-    product is issued.  Waits for dO; Q and the row statistics must have
-    been waited for (:meth:`probabilities`).  Returns the new
-    ``(dv, dk)``."""
-    plgpu.barrier_wait(self.do_ready.at[slot])
-
-    def products(refs):
-      dv_ref, dk_ref = refs
-      plgpu.wgmma(dv_ref, p.astype(dtype), self.do.at[slot])
-      p_scaled = p * derivative
-      dp = self.dp_product(slot, v_smem=v_smem, tile=tile)
-      ds = _score_gradient(p_scaled, dp, self.delta(slot, tile),
-                           None).astype(dtype)
-      if ds_sink is not None:
-        ds_sink(ds)
-      plgpu.wgmma(dk_ref, ds, self.q.at[slot])
-    return pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-
-  def scores(self, slot, *, k_smem, v_smem, tile: tuple[int, int],
-             logits: LogitTransform, full, mask, want_dp: bool,
-             together: bool = False):
-    """A consumer's first half of a step on slot ``slot``:
-    :meth:`probabilities`, ``dP^T`` (None unless ``want_dp``; issued with
-    ``K Q^T`` when ``together``) and ``delta`` broadcast over the tile.
-    Leaves dO waited for; frees nothing."""
-    if want_dp and together:
-      p, derivative, dp = self.probabilities(
-          slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
-          mask=mask, v_smem=v_smem)
-      return p, derivative, dp, self.delta(slot, tile)
-    p, derivative = self.probabilities(slot, k_smem=k_smem, tile=tile,
-                                       logits=logits, full=full, mask=mask)
-    plgpu.barrier_wait(self.do_ready.at[slot])
-    dp = self.dp_product(slot, v_smem=v_smem, tile=tile) if want_dp else None
-    return p, derivative, dp, self.delta(slot, tile)
-
-
-# How many scratch refs a QueryRing takes (its fields, in order).
-QUERY_RING_REFS = len(dataclasses.fields(QueryRing))
-
-
-def query_ring_bytes(stages: int, block_q: int, head_dim: int, dtype,
-                     segments: bool) -> tuple[int, ...]:
-  """Sizes of :func:`query_ring_scratch`'s shared-memory buffers."""
-  tiles = stages * block_q * head_dim * jnp.dtype(dtype).itemsize
-  return (tiles, tiles, stages * 2 * block_q * 4,
-          stages * block_q * 4 if segments else 0)
-
-
-def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
-                       segments: bool) -> list:
-  """Scratch for :class:`QueryRing`, in its field order."""
-  return [
-      common.smem_tile((stages, block_q, head_dim), dtype),
-      common.smem_tile((stages, block_q, head_dim), dtype),
-      plgpu.SMEM((stages, 2, block_q), jnp.float32),
-      plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages) if segments else None,
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  ]
 
 
 def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
@@ -305,7 +86,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   tile = (block_kv, block_q)  # transposed: keys are the rows here
   key_buffers = 1 if split_outputs else 2
   keys_per_cta = key_buffers * block_kv
-  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
 
   num_kv_blocks = kv_pad // keys_per_cta
@@ -391,7 +172,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         if kv_seg_ref is not None and want_dv:
           plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
           kv_seg = broadcast_rows(
-              plgpu.load(kvseg_smem2.at[buffer], layout=_ROW), tile)
+              plgpu.load(kvseg_smem2.at[buffer], layout=ROW), tile)
         with _region("k_wait"):
           plgpu.barrier_wait(kv_ready.at[3 * buffer])
           plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
@@ -438,7 +219,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
               # dS while the tensor cores compute dV.
               with _region("ds"):
-                ds = _score_gradient(p, dp, delta, derivative)
+                ds = score_gradient(p, dp, delta, derivative)
                 ds = ds.astype(dtype)
               plgpu.wgmma(dk_ref, ds, ring.q.at[slot])
             with _region("dv_dk"):
@@ -470,7 +251,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             # P^T from the dV warpgroup, times the cap's derivative if any.
             p_scaled = p_smem[...]
             plgpu.barrier_arrive(p_free)
-            ds = _score_gradient(p_scaled, dp, delta, None)
+            ds = score_gradient(p_scaled, dp, delta, None)
             plgpu.barrier_wait(ring.q_ready.at[slot])
 
             def dk_product(acc_ref):
