@@ -19,7 +19,7 @@ from jflash import masks
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
-from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu import common, schedule
 from tests._support import random_segments
 
 
@@ -743,3 +743,73 @@ def test_kernels_lower_under_x64(head_dim, features, t, s, monkeypatch):
       head_dim, s, causal=extra["is_causal"], soft_cap="soft_cap" in features,
       segments="segments" in features, window=features.get("window")).fuse_dq
   assert text.count("custom_call @mosaic_gpu") == (2 if fused else 3)
+
+
+def test_heaviest_first_starts_the_longest_blocks_first():
+  rng = _rng()
+  batch, t, s = 3, 70, 90
+  mask = masks.AttentionMask(
+      batch=batch, q_len=t, kv_len=s, is_causal=True,
+      kv_lengths=jnp.asarray(rng.integers(1, s + 1, batch), jnp.int32),
+      q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
+      kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
+  sched = masks.tile_schedule(mask, 8, 16)
+  for count in (np.asarray(sched.kv_count), np.asarray(sched.q_count),
+                rng.integers(0, 4, (2, 9))):  # many ties
+    order = np.asarray(schedule.heaviest_first(jnp.asarray(count)))
+    flat = count.reshape(-1)
+    # Every block exactly once; counts non-increasing; ties in index order.
+    np.testing.assert_array_equal(np.sort(order), np.arange(flat.size))
+    np.testing.assert_array_equal(
+        order, np.lexsort((np.arange(flat.size), -flat)))
+  # Causal with no other rule: the last query block has the most tiles.
+  causal = masks.tile_schedule(
+      masks.AttentionMask(batch=2, q_len=64, kv_len=64, is_causal=True), 16,
+      16)
+  np.testing.assert_array_equal(
+      np.asarray(schedule.heaviest_first(causal.kv_count)),
+      [3, 7, 2, 6, 1, 5, 0, 4])
+
+
+def test_visited_in_reverse_and_earlier_visitors():
+  rng = _rng()
+  visits = rng.random((2, 5, 4)) < 0.6  # [B, nq, nk]
+  mask = masks.AttentionMask(
+      batch=2, q_len=40, kv_len=40, is_causal=True,
+      window=(int(rng.integers(0, 20)), int(rng.integers(0, 20))))
+  sched = masks.tile_schedule(mask, 8, 10)
+  order, count = np.asarray(sched.q_order), np.asarray(sched.q_count)
+  got = np.asarray(schedule.visited_in_reverse(jnp.asarray(order),
+                                               jnp.asarray(count)))
+  for idx in np.ndindex(count.shape):
+    n = count[idx]
+    np.testing.assert_array_equal(
+        got[idx], np.concatenate([order[idx][:n][::-1], order[idx][n:]]))
+  # Ranks: for key block j at a step visiting query tile i, the number of
+  # key blocks before j that visit i.
+  steps = rng.integers(0, 5, (2, 4, 6))
+  ranks = np.asarray(schedule.earlier_visitors(jnp.asarray(visits),
+                                               jnp.asarray(steps)))
+  for b, j, s in np.ndindex(steps.shape):
+    assert ranks[b, j, s] == visits[b, steps[b, j, s], :j].sum()
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 5])
+def test_earlier_visitors_and_visited_per_slot(slots):
+  rng = _rng()
+  nq, nk = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+  visits = rng.random((2, nq, nk)) < 0.6  # [B, nq, nk]
+  steps = rng.integers(0, nq, (2, nk, 5))
+  ranks = np.asarray(schedule.earlier_visitors(
+      jnp.asarray(visits), jnp.asarray(steps), slots=slots))
+  for b, j, s in np.ndindex(steps.shape):
+    same_sum = [i for i in range(j) if i % slots == j % slots]
+    assert ranks[b, j, s] == visits[b, steps[b, j, s], same_sum].sum()
+  per_slot = np.asarray(schedule.visited_per_slot(jnp.asarray(visits),
+                                                  slots))
+  assert per_slot.shape == (slots, 2, nq)
+  for r, b, i in np.ndindex(per_slot.shape):
+    assert per_slot[r, b, i] == visits[b, i, r::slots].any()
+  with pytest.raises(ValueError, match="slots"):
+    schedule.earlier_visitors(jnp.asarray(visits), jnp.asarray(steps),
+                              slots=0)

@@ -30,7 +30,7 @@ from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
 from jflash.backends.mosaic_gpu import (backward_dkv, backward_dq,
-                                       backward_fused, forward)
+                                       backward_fused, forward, schedule)
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
@@ -224,7 +224,7 @@ def _rows_metadata(mask, block_q, block_kv, pads):
   order, count = _kv_schedule(mask, 2 * block_q, block_kv, pads)
   classes = _classes(mask, block_q, block_kv, pads)
   return (order, count, _classes_per_step(classes, order),
-          masks.heaviest_first(count))
+          schedule.heaviest_first(count))
 
 
 def _keys_metadata(mask, block_q, block_kv, pads):
@@ -234,7 +234,7 @@ def _keys_metadata(mask, block_q, block_kv, pads):
   order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   return (order, count, _classes_per_step(classes, order),
-          masks.heaviest_first(count))
+          schedule.heaviest_first(count))
 
 
 def _shared_keys_metadata(mask, block_q, block_kv, pads):
@@ -246,7 +246,7 @@ def _shared_keys_metadata(mask, block_q, block_kv, pads):
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   per_step = jnp.take_along_axis(classes, order, axis=2)
   return (order, count, jnp.stack([per_step, per_step], axis=-1),
-          masks.heaviest_first(count))
+          schedule.heaviest_first(count))
 
 
 def _fused_slots(config, pads: _Padded) -> int:
@@ -265,14 +265,14 @@ def _fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
   # Nonempty query tiles in decreasing order: under a causal mask every key
   # block then starts on the last tile, and a tile's contributors come one
   # right after another.
-  order = masks.visited_in_reverse(order, count)
+  order = schedule.visited_in_reverse(order, count)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   classes = _classes_per_step(classes, order)
   visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
   visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // (2 * block_kv))
-  ranks = masks.earlier_visitors(visits, order, slots)
-  return order, count, classes, ranks, masks.visited_per_slot(visits, slots)
+  ranks = schedule.earlier_visitors(visits, order, slots)
+  return order, count, classes, ranks, schedule.visited_per_slot(visits, slots)
 
 
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,

@@ -62,7 +62,7 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       tile visited at each step of ``q_order`` for each consumer's
       ``block_kv`` keys.
     block_order: int32 ``[B * Sp / keys]``, the order in which CTAs take
-      key blocks (:func:`jflash.masks.heaviest_first`).
+      key blocks (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`).
     split_outputs: both consumer warpgroups take the same ``block_kv`` keys;
       the first accumulates dV, the second dK.  For head dims whose two
       accumulators do not fit in one warpgroup's registers (256): the CTA

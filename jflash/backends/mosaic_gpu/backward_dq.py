@@ -49,7 +49,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
       the tile visited at each step for each consumer's ``block_q`` rows.
     block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks (:func:`jflash.masks.heaviest_first`).
+      take query blocks
+      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`).
 
     q_pad, kv_pad: the tiled query and key extents (multiples of the
       tiles), when the arrays are shorter: their tail tiles are then read

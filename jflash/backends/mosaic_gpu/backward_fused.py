@@ -94,8 +94,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       :func:`~jflash.backends.mosaic_gpu.backward_dkv.dkv_kernel_call`.
     ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
       ``q_order``, how many key blocks before this one and of the same
-      accumulator (:func:`jflash.masks.earlier_visitors` with ``slots``)
-      visit the same query tile.
+      accumulator visit the same query tile
+      (:func:`~jflash.backends.mosaic_gpu.schedule.earlier_visitors` with
+      ``slots``).
     slots: the number of dQ accumulators.
     q_pad, kv_pad: the tiled query and key extents (multiples of the
       tiles), when the arrays are shorter: their tail tiles are then read

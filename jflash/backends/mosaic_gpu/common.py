@@ -286,8 +286,9 @@ class PersistentItems:
   """The work of a persistent kernel: one CTA per SM (at most one per item),
   each looping over its share of the items ``(head, batch row, block)``.
 
-  Items go longest first: row blocks in a :func:`jflash.masks.heaviest_first`
-  order (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
+  Items go longest first: row blocks in the order of
+  :func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`
+  (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
   row block together.  Pass ``n`` deals ``num_ctas`` items to the CTAs,
   forwards when ``n`` is even and backwards when odd, so that every CTA
   gets a like share of long and short items.

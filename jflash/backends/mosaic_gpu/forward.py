@@ -68,7 +68,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       the tile visited at each step of ``kv_order`` for each consumer's
       ``block_q`` rows (read once per step, with no dependent lookup).
     block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks (:func:`jflash.masks.heaviest_first` of
+      take query blocks
+      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first` of
       ``kv_count``).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
@@ -378,7 +379,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         @pl.when(count > 0)
         def _():
           with _region("first_k_wait"):
-            plgpu.barrier_wait(k_ready.at[lax.rem(first_step, common.i32(stages))])
+            plgpu.barrier_wait(
+                k_ready.at[lax.rem(first_step, common.i32(stages))])
         # The consumers alternate on the tensor cores: each waits for the
         # turn before P V and passes it after the next Q K^T of the item,
         # or after P V at the item's last step (see _consumer).
