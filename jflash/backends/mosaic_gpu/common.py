@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -341,6 +342,51 @@ class PersistentItems:
           lambda: carry)
     lax.fori_loop(0, self.passes, one,
                   jnp.int32(0) if init is None else init)
+
+
+def warp_specialized_kernel(setup: Callable, args, *, scratch, out_type,
+                            grid: tuple[int, ...],
+                            grid_names: tuple[str, ...], kernel_name: str):
+  """The skeleton of the Hopper kernels: three warpgroups per CTA (two
+  consumers and a producer, :func:`split_warpgroups`) sharing the
+  shared-memory buffers ``scratch``.
+
+  ``setup(*refs)`` gets the global-memory refs of ``args`` and the outputs
+  (in that order) and returns ``body(scratch_refs)``, which runs with
+  ``scratch`` (a pytree of ``plgpu.SMEM`` and ``plgpu.Barrier``, e.g. a
+  dataclass of named buffers) allocated once for all warpgroups.
+  """
+  def kernel(*refs):
+    pl.run_scoped(setup(*refs), scratch, collective_axes="wg")
+  return plgpu.kernel(
+      kernel, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=3, thread_name="wg", kernel_name=kernel_name,
+      compiler_params=COMPILER_PARAMS)(*args)
+
+
+def split_warpgroups(wg: Array, consumer: Callable[[], None],
+                     producer: Callable[[], None]) -> None:
+  """``consumer()`` on warpgroups 0 and 1 and ``producer()`` on warpgroup
+  2, each after moving registers to the consumers (``setmaxnreg``:
+  :data:`CONSUMER_REGISTERS` and :data:`PRODUCER_REGISTERS`)."""
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consumer()
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    producer()
+
+
+def scratch_dataclass(cls):
+  """A frozen dataclass of named kernel buffers, registered as a pytree
+  (its fields, in order, are the leaves; a None field allocates
+  nothing), so that :func:`warp_specialized_kernel` allocates it and the
+  kernel body reads its buffers by name."""
+  return jax.tree_util.register_dataclass(
+      dataclasses.dataclass(frozen=True)(cls))
 
 
 def schedule_row(order_ref, count_ref, batch_index, block_index):

@@ -26,6 +26,7 @@ warpgroup's half of the rows only) apply it.
 
 from __future__ import annotations
 
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -44,6 +45,25 @@ Array = jax.Array
 # params with profile_space, as tools/forward_trace.py sets them), and
 # nothing otherwise.
 _region = jax.named_scope
+
+
+@common.scratch_dataclass
+class _Scratch:
+  """The forward's shared-memory buffers; None where a call needs none."""
+
+  q: Any  # [2, block_q, H]: each consumer's Q rows
+  out: Any  # [2, block_q, H]: each consumer's output; None: through q
+  k: Any  # [stages, block_kv, H]: the K ring
+  v: Any  # [stages, block_kv, H]: the V ring
+  lse: Any  # [2, block_q] float32: each consumer's logsumexp
+  q_segments: Any  # [2, block_q] int32: each consumer's query segment ids
+  kv_segments: Any  # [stages, block_kv] int32, riding in K's slot
+  k_ready: Any  # per ring slot
+  v_ready: Any
+  q_ready: Any  # 4: each consumer's Q, then its query segment ids
+  kv_segments_ready: Any
+  k_free: Any  # per ring slot, both consumers arrive
+  v_free: Any
 
 
 def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
@@ -111,8 +131,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       output_columns=head_dim)
   prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
 
-  def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
-             block_order_ref, *rest):
+  def setup(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
+            block_order_ref, *rest):
     named = dict(zip(optional_names, rest[:len(optional_names)]))
     out_ref, lse_ref = rest[len(optional_names):]
     cta = lax.axis_index("ctas")
@@ -125,21 +145,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     def for_each_item(work, init=None):
       items.for_each(block_order_ref, cta, work, init)
 
-    def body(q_smem2, o_smem2, k_smem, v_smem, lse_smem2, qseg_smem2,
-             kvseg_smem, k_ready, v_ready, q_ready, kvseg_ready, k_free,
-             v_free):
-      if o_smem2 is None:
-        o_smem2 = q_smem2  # the output leaves through Q's buffer
+    def body(smem: _Scratch):
 
       def load_q(head, b, q_block):
         """Starts the copies of this consumer's Q rows (and their segment
         ids) of an item into its buffer."""
         q_base = (q_block * 2 + wg) * block_q
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
-                                q_smem2.at[wg], q_ready.at[wg])
+                                smem.q.at[wg], smem.q_ready.at[wg])
         if q_seg_ref is not None:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
-                                  qseg_smem2.at[wg], q_ready.at[2 + wg])
+                                  smem.q_segments.at[wg],
+                                  smem.q_ready.at[2 + wg])
 
       def schedule_head(b, q_block):
         """An item's number of steps and its first step's tile class and
@@ -162,8 +179,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           return order_ref[b, q_block, step]
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
-        qo_smem = q_smem2.at[wg]
-        o_smem = o_smem2.at[wg]
+        qo_smem = smem.q.at[wg]
+        # Without an output buffer the output leaves through Q's.
+        o_smem = (smem.q if smem.out is None else smem.out).at[wg]
         next_exists, next_where = next_item
         my_block = q_block * 2 + wg
         q_base = my_block * block_q
@@ -174,11 +192,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           load_q(head, b, q_block)
         q_seg = None
         if q_seg_ref is not None:
-          plgpu.barrier_wait(q_ready.at[2 + wg])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=ROW),
+          plgpu.barrier_wait(smem.q_ready.at[2 + wg])
+          q_seg = broadcast_rows(plgpu.load(smem.q_segments.at[wg], layout=ROW),
                                  tile)
         with _region("q_wait"):
-          plgpu.barrier_wait(q_ready.at[wg])
+          plgpu.barrier_wait(smem.q_ready.at[wg])
 
         # In the qk_after_pv loop the next item's Q is loaded once the
         # chained steps are done (the item's last Q K^T has then completed
@@ -223,19 +241,19 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           over the tile; the plain loops call it only where a tile is
           masked."""
           return broadcast_cols(
-              plgpu.load(kvseg_smem.at[slot], layout=COL), tile)
+              plgpu.load(smem.kv_segments.at[slot], layout=COL), tile)
 
         def release_k_after_scores(slot):
           """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
           segment ids ride in it (then softmax_and_turn releases it)."""
           if not segments_ride_k:
-            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(smem.k_free.at[slot])
 
         def first_scores():
           """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
           last ``P V`` passed it (see _consumer)."""
           def qk_product(s_ref):
-            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
+            plgpu.wgmma(s_ref, qo_smem, smem.k.at[slot_of(0)].transpose((1, 0)))
             return s_ref[...]
           qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
           release_k_after_scores(slot_of(0))
@@ -250,7 +268,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           if segments_ride_k:
             # Waited for every step (the barrier's phases), read only by
             # masked tiles: a full tile keeps no segment ids in registers.
-            plgpu.barrier_wait(kvseg_ready.at[slot])
+            plgpu.barrier_wait(smem.kv_segments_ready.at[slot])
 
           def mask_step(s):
             kv_seg = kv_segments_loaded(slot) if segments_ride_k else None
@@ -260,7 +278,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                 qk, m, full=step_class == masks.FULL, logits=logits,
                 masked=mask_step)
             if segments_ride_k:
-              plgpu.barrier_arrive(k_free.at[slot])
+              plgpu.barrier_arrive(smem.k_free.at[slot])
             # O is rescaled only in threads whose rows' maximum moved
             # (rarely, once the first tiles have set it: see _exponentials).
             acc = lax.cond(common.rows_grew(m, m_new),
@@ -281,7 +299,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           else:
             l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
           with _region("v_wait"):
-            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(smem.v_ready.at[slot])
           with _region("turn_wait"):
             common.wait_turn(wg)
           return acc, m_new, l, p_low
@@ -304,20 +322,20 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           slot, the turn passed after both are issued; waits for both."""
           def products(refs):
             o_ref, qk_ref = refs
-            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
-            plgpu.barrier_wait(k_ready.at[after])
+            plgpu.wgmma(o_ref, p_low, smem.v.at[slot])
+            plgpu.barrier_wait(smem.k_ready.at[after])
 
             # S's accumulator is allocated after P V is issued: zeros
             # materialized before it make ptxas zero 64 registers per step
             # instead of starting the product without an accumulator.
             def scores(s_ref):
-              plgpu.wgmma(s_ref, qo_smem, k_smem.at[after].transpose((1, 0)))
+              plgpu.wgmma(s_ref, qo_smem, smem.k.at[after].transpose((1, 0)))
               common.pass_turn(wg)
               qk_ref[...] = s_ref[...]
             pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
           with _region("pv_qk"):
             acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
-          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(smem.v_free.at[slot])
           release_k_after_scores(after)
           return acc, qk
 
@@ -330,11 +348,11 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
 
           def pv_product(o_ref):
-            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+            plgpu.wgmma(o_ref, p_low, smem.v.at[slot])
             common.pass_turn(wg)
           with _region("last_pv"):
             acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(smem.v_free.at[slot])
           return acc, m, l, qk, info
 
         def waiting_step(i, carry):
@@ -347,7 +365,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
 
           def qk_product(s_ref):
             # K of this step was waited for during the previous step's P V.
-            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(s_ref, qo_smem, smem.k.at[slot].transpose((1, 0)))
             # An item's first Q K^T is issued outside a turn: the previous
             # item's last P V passed it (see _consumer).
             pl.when(i > 0)(lambda: common.pass_turn(wg))
@@ -358,17 +376,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
 
           def pv_product(o_ref):
-            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
+            plgpu.wgmma(o_ref, p_low, smem.v.at[slot])
             # The last P V of an item passes the turn at once (as in
             # last_step).
             pl.when(i + 1 == count)(lambda: common.pass_turn(wg))
             # Wait for the next K while the tensor cores work.
             @pl.when(i + 1 < count)
             def _():
-              plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
+              plgpu.barrier_wait(smem.k_ready.at[slot_of(i + 1)])
           with _region("pv"):
             acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(smem.v_free.at[slot])
           return acc, m, l, following
 
         acc = plgpu.layout_cast(
@@ -380,7 +398,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         def _():
           with _region("first_k_wait"):
             plgpu.barrier_wait(
-                k_ready.at[lax.rem(first_step, common.i32(stages))])
+                smem.k_ready.at[lax.rem(first_step, common.i32(stages))])
         # The consumers alternate on the tensor cores: each waits for the
         # turn before P V and passes it after the next Q K^T of the item,
         # or after P V at the item's last step (see _consumer).
@@ -410,20 +428,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           seen = l > 0
           inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
           o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
-          lse_smem2.at[wg][...] = jnp.where(
+          smem.lse.at[wg][...] = jnp.where(
               seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
               -jnp.inf)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
               o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
           plgpu.copy_smem_to_gmem(
-              lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
+              smem.lse.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
         return first_step + count, next_head
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
+      def consumer():
         if prefetch_q:
           first_k, first_where = item_at(0)
           pl.when(first_k < items.num_items)(lambda: load_q(*first_where))
@@ -442,47 +457,43 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         pl.when(wg == 1)(lambda: common.wait_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
-                                action="decrease")
+      def producer():
         produce_item = common.kv_item_producer(
             order_ref, count_ref, group=group, stages=stages,
-            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
-            v=(v_ref, v_smem, v_ready, v_free),
-            segments=(kv_seg_ref, kvseg_smem, kvseg_ready))
+            block_kv=block_kv, k=(k_ref, smem.k, smem.k_ready, smem.k_free),
+            v=(v_ref, smem.v, smem.v_ready, smem.v_free),
+            segments=(kv_seg_ref, smem.kv_segments, smem.kv_segments_ready))
         for_each_item(produce_item)
 
-    pl.run_scoped(
-        body,
-        common.smem_tile((2, block_q, head_dim), dtype),
-        common.smem_tile((2, block_q, head_dim), dtype) if prefetch_q else None,
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        plgpu.SMEM((2, block_q), jnp.float32),
-        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
-        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=4),  # Q, then query segment ids
-        plgpu.Barrier(num_barriers=stages) if segments else None,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
-    )
+      common.split_warpgroups(wg, consumer, producer)
+    return body
 
-  out, lse = plgpu.kernel(
-      kernel,
+  scratch = _Scratch(
+      q=common.smem_tile((2, block_q, head_dim), dtype),
+      out=common.smem_tile((2, block_q, head_dim), dtype)
+      if prefetch_q else None,
+      k=common.smem_tile((stages, block_kv, head_dim), dtype),
+      v=common.smem_tile((stages, block_kv, head_dim), dtype),
+      lse=plgpu.SMEM((2, block_q), jnp.float32),
+      q_segments=plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+      kv_segments=plgpu.SMEM((stages, block_kv), jnp.int32)
+      if segments else None,
+      k_ready=plgpu.Barrier(num_barriers=stages),
+      v_ready=plgpu.Barrier(num_barriers=stages),
+      q_ready=plgpu.Barrier(num_barriers=4),
+      kv_segments_ready=plgpu.Barrier(num_barriers=stages)
+      if segments else None,
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+  out, lse = common.warp_specialized_kernel(
+      setup,
+      (q, k, v, kv_order, kv_count, classes, block_order,
+       *(optional[n] for n in optional_names)),
+      scratch=scratch,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-      grid=(items.num_ctas,),
-      grid_names=("ctas",),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="jflash_forward",
-      compiler_params=common.COMPILER_PARAMS,
-  )(q, k, v, kv_order, kv_count, classes, block_order,
-    *(optional[n] for n in optional_names))
+      grid=(items.num_ctas,), grid_names=("ctas",),
+      kernel_name="jflash_forward")
   return out, lse
 
 
