@@ -10,7 +10,6 @@ and ``lse2`` the base-2 logsumexp, ``P = exp2(s - lse2)``,
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -54,12 +53,12 @@ def score_gradient(p: Array, dp: Array, delta: Array,
   return ds if derivative is None else ds * derivative
 
 
-@dataclasses.dataclass(frozen=True)
+@common.scratch_dataclass
 class QueryRing:
   """The shared-memory ring through which a producer streams query tiles
   (Q, dO, the row statistics and optionally segment ids) to the consumers
   of a key-block kernel, with its ready/free barriers (each indexed by
-  slot)."""
+  slot).  Part of a kernel's scratch (:func:`query_ring_scratch`)."""
 
   q: Any
   do: Any
@@ -208,10 +207,6 @@ class QueryRing:
     return p, derivative, dp, self.delta(slot, tile)
 
 
-# How many scratch refs a QueryRing takes (its fields, in order).
-QUERY_RING_REFS = len(dataclasses.fields(QueryRing))
-
-
 def query_ring_bytes(stages: int, block_q: int, head_dim: int, dtype,
                      segments: bool) -> tuple[int, ...]:
   """Sizes of :func:`query_ring_scratch`'s shared-memory buffers."""
@@ -221,17 +216,16 @@ def query_ring_bytes(stages: int, block_q: int, head_dim: int, dtype,
 
 
 def query_ring_scratch(stages: int, block_q: int, head_dim: int, dtype,
-                       segments: bool) -> list:
-  """Scratch for :class:`QueryRing`, in its field order."""
-  return [
-      common.smem_tile((stages, block_q, head_dim), dtype),
-      common.smem_tile((stages, block_q, head_dim), dtype),
-      plgpu.SMEM((stages, 2, block_q), jnp.float32),
-      plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages) if segments else None,
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  ]
+                       segments: bool) -> QueryRing:
+  """The buffers of a :class:`QueryRing` of ``stages`` slots."""
+  return QueryRing(
+      q=common.smem_tile((stages, block_q, head_dim), dtype),
+      do=common.smem_tile((stages, block_q, head_dim), dtype),
+      stats=plgpu.SMEM((stages, 2, block_q), jnp.float32),
+      segments=plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
+      q_ready=plgpu.Barrier(num_barriers=stages),
+      do_ready=plgpu.Barrier(num_barriers=stages),
+      stats_ready=plgpu.Barrier(num_barriers=stages),
+      segments_ready=plgpu.Barrier(num_barriers=stages) if segments else None,
+      q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))

@@ -19,6 +19,8 @@ shared memory, so that each warpgroup does two of a step's four products.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -28,8 +30,8 @@ from jax import lax
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.backward_common import (
-    QUERY_RING_REFS, QueryRing, optional_inputs, query_ring_bytes,
-    query_ring_scratch, score_gradient)
+    QueryRing, optional_inputs, query_ring_bytes, query_ring_scratch,
+    score_gradient)
 from jflash.backends.mosaic_gpu.common import (ROW, LogitTransform, MaskSpec,
                                                broadcast_rows)
 
@@ -39,6 +41,24 @@ Array = jax.Array
 # params with profile_space, as tools/forward_trace.py --backward sets
 # them), and nothing otherwise.
 _region = jax.named_scope
+
+
+@common.scratch_dataclass
+class _Scratch:
+  """The dK/dV kernel's shared-memory buffers; None where a call needs
+  none."""
+
+  k: Any  # [key_buffers, block_kv, H]: each consumer's keys
+  v: Any  # [key_buffers, block_kv, H]: their values
+  dk: Any  # [key_buffers, block_kv, H]: dK on its way out; None: through k
+  dv: Any  # [key_buffers, block_kv, H]: dV on its way out; None: through v
+  kv_segments: Any  # [key_buffers, block_kv] int32
+  kv_ready: Any  # 6: per key buffer K, V, segment ids
+  ring: QueryRing  # the streamed query tiles
+  consumers_done: Any  # both consumers arrive (split outputs)
+  p: Any  # [block_kv, block_q] float32: P^T from the dV to the dK consumer
+  p_ready: Any
+  p_free: Any
 
 
 def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
@@ -98,8 +118,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       key_buffers, block_q, block_kv, stages, head_dim, dtype, segments,
       split_outputs, separate_outputs=True) <= common.SMEM_LIMIT_BYTES
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-             class_ref, block_order_ref, *rest):
+  def setup(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+            class_ref, block_order_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
     dk_ref, dv_ref = rest[len(names):]
     cta = lax.axis_index("ctas")
@@ -116,30 +136,25 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
       return count, count * group, head_and_tile
 
-    def body(k_smem2, v_smem2, dk_smem2, dv_smem2, kvseg_smem2, kv_ready,
-             *rest):
-      ring = QueryRing(*rest[:QUERY_RING_REFS])
-      consumers_done, p_smem, p_ready, p_free = rest[QUERY_RING_REFS:]
-      if dk_smem2 is None:  # the outputs leave through the K/V buffers
-        dk_smem2, dv_smem2 = k_smem2, v_smem2
+    def body(smem: _Scratch):
 
       def load_keys(kv_head, b, kv_block, buffer):
         """Starts the copies of keys ``buffer`` of an item (K, V and their
         segment ids)."""
         rows = pl.ds(kv_block * keys_per_cta + buffer * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head],
-                                k_smem2.at[buffer], kv_ready.at[3 * buffer])
+                                smem.k.at[buffer], smem.kv_ready.at[3 * buffer])
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head],
-                                v_smem2.at[buffer],
-                                kv_ready.at[3 * buffer + 1])
+                                smem.v.at[buffer],
+                                smem.kv_ready.at[3 * buffer + 1])
         if kv_seg_ref is not None:
           plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows],
-                                  kvseg_smem2.at[buffer],
-                                  kv_ready.at[3 * buffer + 2])
+                                  smem.kv_segments.at[buffer],
+                                  smem.kv_ready.at[3 * buffer + 2])
 
       def both_consumers_meet():
-        plgpu.barrier_arrive(consumers_done)
-        plgpu.barrier_wait(consumers_done)
+        plgpu.barrier_arrive(smem.consumers_done)
+        plgpu.barrier_wait(smem.consumers_done)
 
       def consume(want_dk: bool, want_dv: bool, buffer, kv_head, b, kv_block,
                   first_step, next_item):
@@ -170,12 +185,12 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             load_keys(kv_head, b, kv_block, buffer)
         kv_seg = None
         if kv_seg_ref is not None and want_dv:
-          plgpu.barrier_wait(kv_ready.at[3 * buffer + 2])
+          plgpu.barrier_wait(smem.kv_ready.at[3 * buffer + 2])
           kv_seg = broadcast_rows(
-              plgpu.load(kvseg_smem2.at[buffer], layout=ROW), tile)
+              plgpu.load(smem.kv_segments.at[buffer], layout=ROW), tile)
         with _region("k_wait"):
-          plgpu.barrier_wait(kv_ready.at[3 * buffer])
-          plgpu.barrier_wait(kv_ready.at[3 * buffer + 1])
+          plgpu.barrier_wait(smem.kv_ready.at[3 * buffer])
+          plgpu.barrier_wait(smem.kv_ready.at[3 * buffer + 1])
 
         def step(i, carry):
           (dk, dv), step_class = carry
@@ -186,8 +201,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(first_step + i, common.i32(stages)) + zero
-          k_smem = k_smem2.at[buffer + zero]
-          v_smem = v_smem2.at[buffer + zero]
+          k_smem = smem.k.at[buffer + zero]
+          v_smem = smem.v.at[buffer + zero]
 
           def mask(s, q_seg):
             _, q_tile = head_and_tile(i)
@@ -203,62 +218,62 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             # dV, so that P and the derivative are no longer both live
             # next to dP's tile (offline ptxas at head dim 128: 136 bytes
             # of spill stores with dP first).
-            p, derivative = ring.probabilities(
+            p, derivative = smem.ring.probabilities(
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
                 mask=mask)
-            dv, dk = ring.dv_first_products(
+            dv, dk = smem.ring.dv_first_products(
                 slot, p, derivative, v_smem=v_smem, tile=tile, dtype=dtype,
                 dv=dv, dk=dk)
           elif want_dv and want_dk:
-            p, derivative, dp, delta = ring.scores(
+            p, derivative, dp, delta = smem.ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
                 full=full, mask=mask, want_dp=True, together=overlap_sdp)
 
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs
-              plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
+              plgpu.wgmma(dv_ref, p.astype(dtype), smem.ring.do.at[slot])
               # dS while the tensor cores compute dV.
               with _region("ds"):
                 ds = score_gradient(p, dp, delta, derivative)
                 ds = ds.astype(dtype)
-              plgpu.wgmma(dk_ref, ds, ring.q.at[slot])
+              plgpu.wgmma(dk_ref, ds, smem.ring.q.at[slot])
             with _region("dv_dk"):
               dv, dk = pl.run_state(dv_dk_products)(
                   (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           elif want_dv:
-            p, derivative = ring.probabilities(
+            p, derivative = smem.ring.probabilities(
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
                 mask=mask)
 
-            # p_smem is free once the dK warpgroup read the previous step's
+            # smem.p is free once the dK warpgroup read the previous step's
             # P^T (of this item or an earlier one).
             @pl.when(first_step + i >= 1)
             def _():
-              plgpu.barrier_wait(p_free)
-            p_smem[...] = p if derivative is None else p * derivative
-            plgpu.barrier_arrive(p_ready)
-            plgpu.barrier_wait(ring.do_ready.at[slot])
+              plgpu.barrier_wait(smem.p_free)
+            smem.p[...] = p if derivative is None else p * derivative
+            plgpu.barrier_arrive(smem.p_ready)
+            plgpu.barrier_wait(smem.ring.do_ready.at[slot])
 
             def dv_product(acc_ref):
-              plgpu.wgmma(acc_ref, p.astype(dtype), ring.do.at[slot])
+              plgpu.wgmma(acc_ref, p.astype(dtype), smem.ring.do.at[slot])
             dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
           else:
-            plgpu.barrier_wait(ring.stats_ready.at[slot])
-            delta = ring.delta(slot, tile)
-            plgpu.barrier_wait(ring.do_ready.at[slot])
-            dp = ring.dp_product(slot, v_smem=v_smem, tile=tile)
-            plgpu.barrier_wait(p_ready)
+            plgpu.barrier_wait(smem.ring.stats_ready.at[slot])
+            delta = smem.ring.delta(slot, tile)
+            plgpu.barrier_wait(smem.ring.do_ready.at[slot])
+            dp = smem.ring.dp_product(slot, v_smem=v_smem, tile=tile)
+            plgpu.barrier_wait(smem.p_ready)
             # P^T from the dV warpgroup, times the cap's derivative if any.
-            p_scaled = p_smem[...]
-            plgpu.barrier_arrive(p_free)
+            p_scaled = smem.p[...]
+            plgpu.barrier_arrive(smem.p_free)
             ds = score_gradient(p_scaled, dp, delta, None)
-            plgpu.barrier_wait(ring.q_ready.at[slot])
+            plgpu.barrier_wait(smem.ring.q_ready.at[slot])
 
             def dk_product(acc_ref):
-              plgpu.wgmma(acc_ref, ds.astype(dtype), ring.q.at[slot])
+              plgpu.wgmma(acc_ref, ds.astype(dtype), smem.ring.q.at[slot])
             dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
-          plgpu.barrier_arrive(ring.do_free.at[slot])
-          plgpu.barrier_arrive(ring.q_free.at[slot])
+          plgpu.barrier_arrive(smem.ring.do_free.at[slot])
+          plgpu.barrier_arrive(smem.ring.q_free.at[slot])
           return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
@@ -277,22 +292,22 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             # The previous item's output copies must have read their
             # buffers.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          # Without output buffers the outputs leave through K's and V's.
+          dk_out = (smem.k if smem.dk is None else smem.dk).at[buffer]
+          dv_out = (smem.v if smem.dv is None else smem.dv).at[buffer]
           written = []
           if want_dk:
-            dk_smem2.at[buffer][...] = (dk * logits.scale).astype(dtype)
-            written.append((dk_smem2.at[buffer], dk_ref))
+            dk_out[...] = (dk * logits.scale).astype(dtype)
+            written.append((dk_out, dk_ref))
           if want_dv:
-            dv_smem2.at[buffer][...] = dv.astype(dtype)
-            written.append((dv_smem2.at[buffer], dv_ref))
+            dv_out[...] = dv.astype(dtype)
+            written.append((dv_out, dv_ref))
           plgpu.commit_smem()
-          for smem, out_ref in written:
-            plgpu.copy_smem_to_gmem(smem, out_ref.at[b, rows, kv_head])
+          for out_smem, out_ref in written:
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, rows, kv_head])
         return first_step + steps
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
+      def consumer():
         def run(want_dk: bool, want_dv: bool, buffer):
           if separate_outputs and want_dv:
             first_k, first_where = items.item_at(block_order_ref, cta, 0)
@@ -311,52 +326,42 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         # CTA leaves; their writes land by the end of the kernel.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
-                                action="decrease")
-
+      def producer():
         def produce(kv_head, b, kv_block, first_step, next_item):
           del next_item
           _, steps, head_and_tile = item_schedule(kv_head, b, kv_block)
-          ring.stream(steps, head_and_tile, stages=stages, block_q=block_q,
-                      b=b, q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
-                      q_seg_ref=q_seg_ref, first_step=first_step)
+          smem.ring.stream(steps, head_and_tile, stages=stages,
+                           block_q=block_q, b=b, q_ref=q_ref, do_ref=do_ref,
+                           stats_ref=stats_ref, q_seg_ref=q_seg_ref,
+                           first_step=first_step)
           return first_step + steps
         items.for_each(block_order_ref, cta, produce)
 
-    out_tile = common.smem_tile((key_buffers, block_kv, head_dim), dtype)
-    pl.run_scoped(
-        body,
-        common.smem_tile((key_buffers, block_kv, head_dim), dtype),
-        common.smem_tile((key_buffers, block_kv, head_dim), dtype),
-        out_tile if separate_outputs else None,
-        out_tile if separate_outputs else None,
-        plgpu.SMEM((key_buffers, block_kv), jnp.int32) if segments else None,
-        plgpu.Barrier(num_barriers=6),
-        *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
-        plgpu.Barrier(num_arrivals=2),
-        # P^T handed from the dV to the dK warpgroup (split outputs); one
-        # buffer, as a second does not fit next to a segment-id ring.
-        plgpu.SMEM((block_kv, block_q), jnp.float32,
-                   transforms=(common.F32_TILING, common.SWIZZLE))
-        if split_outputs else None,
-        plgpu.Barrier() if split_outputs else None,
-        plgpu.Barrier() if split_outputs else None,
-        collective_axes="wg",
-    )
+      common.split_warpgroups(wg, consumer, producer)
+    return body
 
+  key_tile = common.smem_tile((key_buffers, block_kv, head_dim), dtype)
+  scratch = _Scratch(
+      k=key_tile, v=key_tile,
+      dk=key_tile if separate_outputs else None,
+      dv=key_tile if separate_outputs else None,
+      kv_segments=plgpu.SMEM((key_buffers, block_kv), jnp.int32)
+      if segments else None,
+      kv_ready=plgpu.Barrier(num_barriers=6),
+      ring=query_ring_scratch(stages, block_q, head_dim, dtype, segments),
+      consumers_done=plgpu.Barrier(num_arrivals=2),
+      # One buffer, as a second does not fit next to a segment-id ring.
+      p=plgpu.SMEM((block_kv, block_q), jnp.float32,
+                   transforms=(common.F32_TILING, common.SWIZZLE))
+      if split_outputs else None,
+      p_ready=plgpu.Barrier() if split_outputs else None,
+      p_free=plgpu.Barrier() if split_outputs else None)
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  dk, dv = plgpu.kernel(
-      kernel,
-      out_type=(kv_type, kv_type),
-      grid=(items.num_ctas,),
-      grid_names=("ctas",),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="jflash_dkv",
-      compiler_params=common.COMPILER_PARAMS,
-  )(q, k, v, do, stats, q_order, q_count, classes, block_order, *extras)
+  dk, dv = common.warp_specialized_kernel(
+      setup, (q, k, v, do, stats, q_order, q_count, classes, block_order,
+              *extras),
+      scratch=scratch, out_type=(kv_type, kv_type),
+      grid=(items.num_ctas,), grid_names=("ctas",), kernel_name="jflash_dkv")
   return dk, dv
 
 
