@@ -92,8 +92,8 @@ def loop_variant_zero(tile_class: Array) -> Array:
   64-bit descriptor of a loop-invariant operand (Q and dO in the dQ pass,
   K and V in the dK/dV pass) out of the loop, and at head dims 128 and 256
   the registers they hold spill next to the accumulators.  The forward,
-  whose registers leave room for them, keeps constant indices (on an H200
-  the loop-variant form there measured 1-4% slower).  Added to a backward
+  whose registers leave room for them, keeps constant indices (faster
+  there).  Added to a backward
   mask's first row, it likewise keeps the per-element row indices from
   being hoisted and spilled.
   """

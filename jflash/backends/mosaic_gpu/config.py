@@ -162,21 +162,13 @@ class MosaicGpuConfig:
     return config
 
 
-# Per padded head dim; from benchmarks/tune_mosaic_gpu.py on an H200 (see
-# docs/performance.md).  Shared memory bounds the forward ring: Q takes
-# 2 * block_q * H * 2 bytes, each stage 2 * block_kv * H * 2 bytes, out of
-# 227 KiB.
+# Per padded head dim, from benchmarks/tune_mosaic_gpu.py (the measurements
+# behind each default: benchmarks/results/mosaic-gpu-defaults/README.md).
+# Shared memory bounds the forward ring: Q takes 2 * block_q * H * 2 bytes,
+# each stage 2 * block_kv * H * 2 bytes, out of 227 KiB.
 _DEFAULTS = {
-    # qk_after_pv at head dim 128: on an H200, timed in one run against the
-    # waiting loop (benchmarks/results/2026-12-02-h200-qk-after-pv), forward
-    # +1% to +4% from 4096 keys (S=16384 569 -> 574, causal 570 -> 595,
-    # 1024-key window 446 -> 456; S=4096 540 -> 559, causal 507 -> 523),
-    # even at 1024 keys (501 -> 496, 343 -> 345); with 8 packed segments
-    # per row it lost 8% (451 -> 414), so segment ids keep the waiting loop,
-    # as does a soft cap, which it has not been timed with.  At head dim 64,
-    # with the 256-key tile, S of the next step, P and O in flight at once
-    # exceed the registers and ptxas serializes the loop's wgmma (its note
-    # C7512); a 128-key tile fits but lost 5% to 9% forward at S=4096.
+    # qk_after_pv at head dim 128 only: at 64 the 256-key tile leaves no
+    # registers for S, P and O in flight at once (ptxas serializes wgmma).
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                         stages_dq=2, stages_dkv=2,
@@ -204,64 +196,20 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 # Feature rules, per padded head dim: key tiles narrowed so that the
-# kernels keep their tiles in registers.  A soft cap kept its derivative
-# tile live through the dQ step, which spilled at a 128-key dQ tile
-# (offline ptxas: 256 bytes at head dim 128, 96 at 64) and not at 64; on
-# an H200 the 64-key tile gained 5% fwd+bwd at head dim 128 and lost 1% at
-# 64, which keeps 128.  The dQ pass now folds the derivative into P before
-# dP, and a 128-key tile no longer spills at head dim 128 (offline); the
-# rule stays until the wider tile is timed against it.  Segment ids of a
-# 256-key forward tile take 64 registers per thread, spilling 292 bytes at
-# head dim 64 (128-key tiles: +12% forward there).
+# kernels keep their tiles in registers (a soft cap's derivative tile in the
+# dQ step; segment ids of a 256-key forward tile spill at head dim 64).
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
 _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
-# overlap_sdp is in the table at head dims 64 and 128: on an H200, timed
-# interleaved with the plain order in one run (benchmarks.grid), fwd+bwd
-# +1% to +5% on every two-pass cell (S=4096 446 -> 463 TFLOP/s, S=16384
-# causal 489 -> 501, 1024-key window 387 -> 401, H=64 S=1024 302 -> 318)
-# and even on the fused one; with 8 packed segments per row it lost 7%
-# (428 -> 397), so segment ids keep the plain order, as does a soft cap,
-# whose derivative tile it has not been timed with.
+# overlap_sdp is off with segment ids (slower there) and with a soft cap
+# (whose derivative tile needs the registers).
 
 # The fused backward (five tile products instead of seven) pays for itself
 # once every query sees many keys, so that the fixed-order dQ accumulation
-# rarely makes a CTA wait.  On an H200 at head dim 128 without a mask:
-# +5.6% fwd+bwd at 16384 keys; at 4096 +4% in one call (507 against 486
-# TFLOP/s) and +6% in another, A B A B (497.9, 496.2 against 463.8,
-# 469.3); -12% at 1024.  One dQ accumulator: at 16384
-# keys one, two and four ran at the same speed there (525.0, 530.9, 527.6
-# TFLOP/s), and each takes 4 bytes per element of Q (four broke the linear
-# memory bound at 131072 keys).  A mask whose visible keys move with the
-# query keeps the two-pass backward: causal at 16384 keys the fused kernel
-# ran at 387 TFLOP/s with one accumulator against 492 two-pass and 514
-# with four accumulators (likely a wavefront: each key block starts at its
-# diagonal query block, after the block before it); a 1024-key window lost
-# 9% even with four; at head dim 64 it lost 6% (4096 causal).  Soft caps
-# and segment ids are unmeasured with it and keep the two-pass backward.
-# At head dim 64 the fused kernel with the default 64-query dK/dV tile lost
-# 19% to 23%.  With 128 queries per step (the dQ hand-off amortized over
-# twice the products) and S and dP issued one after the other (together
-# they spill 320 bytes there), on an H200 in one call each
-# (benchmarks/results/2026-12-03-h200-lazy-rescale-h64-fused), fwd+bwd
-# TFLOP/s against the two-pass backward: one accumulator 384.9 and 397.8
-# against 384.9 and 395.1 (S=4096, S=16384); two 431.5 and 453.0, four
-# 423.4 and 452.6 against 385.2 and 396.0.  Two accumulators take
-# 8 * B * T * N * H bytes.
-# Under a causal mask without a window, each key block's first query
-# block is its diagonal one, so with one accumulator the key blocks wait
-# on each other in a wavefront; more accumulators break it up.  On an H200
-# (benchmarks/results/2026-12-03-h200-fused-causal), A B A B in one call,
-# fwd+bwd TFLOP/s against the two-pass backward: head dim 64 with the
-# 128-query tiles and four accumulators 360.8 / 363.7 against 333.1 /
-# 331.6 (S=4096 causal) and 441.4 / 439.5 against 396.4 / 396.8
-# (S=16384 causal; two accumulators lost 11% and 14-15%); head dim 128 with
-# two accumulators 443.7 / 442.3 against 426.8 / 425.8 and 518.4 / 515.1
-# against 500.5 / 502.4 (four: 428.2 / 437.3 and 517.5 / 513.0).  A
-# 1024-key window lost 9% with two and 19% with four and keeps the
-# two-pass backward.  The accumulators take 4 * dq_slots bytes per element
-# of Q, as much as Q, K, V, O, dO and the gradients together at four;
-# above 32768 keys the two-pass backward keeps the peak memory of long
-# sequences near that of the tensors themselves.
+# rarely makes a CTA wait; masks whose visible keys move with the query
+# (windows; causal beyond 32768 keys, where the accumulators' memory
+# grows) keep the two-pass backward, as do the unmeasured soft caps and
+# segment ids.  Under a causal mask the key blocks wait on each other in
+# a wavefront with one accumulator: more accumulators break it up.
 # Without and with a causal mask, per padded head dim: (fewest keys, most
 # keys or None, fields set with fuse_dq), or None.
 _FUSED_RULES: dict[bool, dict[int, tuple[int, int | None, dict] | None]] = {

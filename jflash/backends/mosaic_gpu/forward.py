@@ -121,10 +121,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
   # With room for an output buffer apart from Q, the next item's Q is
   # loaded while this item's output is normalized and stored; without (head
-  # dim 256), the output leaves through Q's buffer.  (Staging the output
-  # through two 64-column slots instead, so that Q could load early at head
-  # dim 256, lost 4-6% at S=4096 and 16384 on an H200 and gained 0-2% at
-  # S=1024.)
+  # dim 256), the output leaves through Q's buffer.
   segments = spec.has_segments
   with_output_buffer = _forward_smem_bytes(
       block_q, block_kv, stages, head_dim, dtype, segments,
@@ -201,11 +198,10 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # In the qk_after_pv loop the next item's Q is loaded once the
         # chained steps are done (the item's last Q K^T has then completed
         # and its buffer is free), so that the load overlaps the last
-        # softmax, P V and the output: the consumers waited 1,000-1,400
-        # cycles per item for Q at head dim 128 S=1024 when it was loaded
-        # after the last P V.  In the waiting loop, loading it inside the
-        # step loop spilled registers every step (head dim 128 with segment
-        # ids), so Q loads once the item's products are done.
+        # softmax, P V and the output instead of being waited for before the
+        # next item.  In the waiting loop, loading it inside the step loop
+        # spills registers every step (head dim 128 with segment ids), so Q
+        # loads once the item's products are done.
         early_q = prefetch_q and qk_after_pv
 
         def load_next_q(when=True):
@@ -290,9 +286,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           # P, the row sums and the maximum are formed before the waits for
           # V and the turn: without the barrier the compiler sinks the
           # exponentials past the turn, where they run while the other
-          # consumer waits for the tensor cores (10% of the forward at head
-          # dim 256, S=16384).  O's rescale is pinned too up to head dim
-          # 128; at 256 its 128 registers per thread are not worth it.
+          # consumer waits for the tensor cores.  O's rescale is pinned too
+          # up to head dim 128; at 256 its 128 registers per thread are not
+          # worth it.
           if head_dim <= 128:
             acc, l, m_new, p_low = lax.optimization_barrier(
                 (acc, l, m_new, p_low))
