@@ -26,6 +26,7 @@ warpgroup's half of the rows only) apply it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -64,6 +65,217 @@ class _Scratch:
   kv_segments_ready: Any
   k_free: Any  # per ring slot, both consumers arrive
   v_free: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _ItemSteps:
+  """One consumer's steps over one item (``2 * block_q`` query rows of a
+  head and batch row, this consumer's ``block_q`` of them): the loop
+  bodies of the forward, and the lookups and masks they share."""
+
+  smem: _Scratch
+  spec: MaskSpec
+  logits: LogitTransform
+  order_ref: Any  # the schedule's key tiles, [B, blocks, steps]
+  class_ref: Any  # each consumer's tile class per step
+  wg: Array  # this consumer, 0 or 1
+  b: Array  # the item's batch row
+  q_block: Array  # the item's block of 2 * block_q rows
+  count: Array  # the item's steps
+  first_step: Array  # the ring step of the item's first K/V tile
+  q_base: Array  # this consumer's first query row
+  q_length: Array | None
+  kv_length: Array | None
+  q_seg: Array | None  # query segment ids broadcast over the tile
+  qo_smem: Any  # this consumer's Q buffer
+  tile: tuple[int, int]  # (block_q, block_kv)
+  block_kv: int
+  stages: int
+  head_dim: int
+  dtype: Any
+  # Key segment ids ride in K's slot: with them, the slot is released only
+  # after the step's softmax, whose masked branch alone reads them
+  # (softmax_and_turn), else right after the step's Q K^T has read K.
+  segments_ride_k: bool
+
+  def tile_at(self, step):
+    return self.order_ref[self.b, self.q_block, step]
+
+  def masked(self, s, kv_tile, kv_seg):
+    return self.spec.mask_tile(
+        s, row_start=self.q_base, col_tile=kv_tile, col_block=self.block_kv,
+        rows_are_queries=True, q_length=self.q_length,
+        kv_length=self.kv_length, q_seg=self.q_seg, kv_seg=kv_seg)
+
+  def step_info(self, i):
+    """Step ``i``'s tile class and key tile, read a step early so
+    that their loads' latency is not waited for before the step's
+    softmax (the tile only matters to a masked step); step 0's come
+    from schedule_head."""
+    i = jnp.maximum(jnp.minimum(i, self.count - 1), 0)  # in bounds
+    return self.class_ref[self.b, self.q_block, i, self.wg], self.tile_at(i)
+
+  def slot_of(self, i):
+    return lax.rem(self.first_step + i, common.i32(self.stages))
+
+  def kv_segments_loaded(self, slot):
+    """The key segment ids of ``slot`` (already waited for), broadcast
+    over the tile; the plain loops call it only where a tile is
+    masked."""
+    return broadcast_cols(
+        plgpu.load(self.smem.kv_segments.at[slot], layout=COL), self.tile)
+
+  def release_k_after_scores(self, slot):
+    """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
+    segment ids ride in it (then softmax_and_turn releases it)."""
+    if not self.segments_ride_k:
+      plgpu.barrier_arrive(self.smem.k_free.at[slot])
+
+  def first_scores(self):
+    """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
+    last ``P V`` passed it (see _consumer)."""
+    def qk_product(s_ref):
+      plgpu.wgmma(s_ref, self.qo_smem,
+                  self.smem.k.at[self.slot_of(0)].transpose((1, 0)))
+      return s_ref[...]
+    qk = pl.run_scoped(qk_product, plgpu.ACC(self.tile, jnp.float32))
+    self.release_k_after_scores(self.slot_of(0))
+    return qk
+
+  def softmax_and_turn(self, qk, acc, m, l, info, i):
+    """Step ``i``'s online softmax of ``S_i``; then waits for ``V_i``
+    and for the turn.  Returns the rescaled ``O``, the new maximum and
+    sums, and ``P_i`` in the input dtype."""
+    step_class, kv_tile = info
+    slot = self.slot_of(i)
+    if self.segments_ride_k:
+      # Waited for every step (the barrier's phases), read only by
+      # masked tiles: a full tile keeps no segment ids in registers.
+      plgpu.barrier_wait(self.smem.kv_segments_ready.at[slot])
+
+    def mask_step(s):
+      kv_seg = (self.kv_segments_loaded(slot) if self.segments_ride_k
+                else None)
+      return self.masked(s, kv_tile, kv_seg)
+    with _region("softmax"):
+      p, m_new, rescale = _exponentials(
+          qk, m, full=step_class == masks.FULL, logits=self.logits,
+          masked=mask_step)
+      if self.segments_ride_k:
+        plgpu.barrier_arrive(self.smem.k_free.at[slot])
+      # O is rescaled only in threads whose rows' maximum moved
+      # (rarely, once the first tiles have set it: see _exponentials).
+      acc = lax.cond(common.rows_grew(m, m_new),
+                     lambda a: a * broadcast_rows(rescale, a.shape),
+                     lambda a: a, acc)
+      l = l * rescale
+      p_low = p.astype(self.dtype)
+      l = l + p.sum(axis=1)
+    # P, the row sums and the maximum are formed before the waits for
+    # V and the turn: without the barrier the compiler sinks the
+    # exponentials past the turn, where they run while the other
+    # consumer waits for the tensor cores.  O's rescale is pinned too
+    # up to head dim 128; at 256 its 128 registers per thread are not
+    # worth it.
+    if self.head_dim <= 128:
+      acc, l, m_new, p_low = lax.optimization_barrier(
+          (acc, l, m_new, p_low))
+    else:
+      l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
+    with _region("v_wait"):
+      plgpu.barrier_wait(self.smem.v_ready.at[slot])
+    with _region("turn_wait"):
+      common.wait_turn(self.wg)
+    return acc, m_new, l, p_low
+
+  def chained_step(self, i, carry):
+    """A step of the ``qk_after_pv`` loop before the item's last:
+    within one turn ``O += P_i V_i``
+    and then ``S_{i+1} = Q K_{i+1}^T`` are issued back to back, so
+    that the tensor cores run the second while this consumer would
+    otherwise wait for the first; both are waited for together
+    (they complete in order)."""
+    acc, m, l, qk, info = carry
+    following = self.step_info(i + 1)
+    acc, m, l, p_low = self.softmax_and_turn(qk, acc, m, l, info, i)
+    acc, qk = self.pv_then_scores(acc, qk, p_low, self.slot_of(i),
+                                  self.slot_of(i + 1))
+    return acc, m, l, qk, following
+
+  def pv_then_scores(self, acc, qk, p_low, slot, after):
+    """``O += P V`` on ``slot``, then ``S = Q K^T`` on K's ``after``
+    slot, the turn passed after both are issued; waits for both."""
+    def products(refs):
+      o_ref, qk_ref = refs
+      plgpu.wgmma(o_ref, p_low, self.smem.v.at[slot])
+      plgpu.barrier_wait(self.smem.k_ready.at[after])
+
+      # S's accumulator is allocated after P V is issued: zeros
+      # materialized before it make ptxas zero 64 registers per step
+      # instead of starting the product without an accumulator.
+      def scores(s_ref):
+        plgpu.wgmma(s_ref, self.qo_smem,
+                    self.smem.k.at[after].transpose((1, 0)))
+        common.pass_turn(self.wg)
+        qk_ref[...] = s_ref[...]
+      pl.run_scoped(scores, plgpu.ACC(self.tile, jnp.float32))
+    with _region("pv_qk"):
+      acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
+    plgpu.barrier_arrive(self.smem.v_free.at[slot])
+    self.release_k_after_scores(after)
+    return acc, qk
+
+  def last_step(self, carry):
+    """The item's last step: ``O += P V`` alone, and the turn passed
+    at once, so that the other consumer's products queue behind it
+    and neither consumer's epilogue holds up the other."""
+    acc, m, l, qk, info = carry
+    slot = self.slot_of(self.count - 1)
+    acc, m, l, p_low = self.softmax_and_turn(qk, acc, m, l, info,
+                                             self.count - 1)
+
+    def pv_product(o_ref):
+      plgpu.wgmma(o_ref, p_low, self.smem.v.at[slot])
+      common.pass_turn(self.wg)
+    with _region("last_pv"):
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(self.smem.v_free.at[slot])
+    return acc, m, l, qk, info
+
+  def waiting_step(self, i, carry):
+    """A step of the loop without ``qk_after_pv``: ``Q K^T`` is issued
+    once the previous step's ``P V`` has finished, and the turn passed
+    after it."""
+    acc, m, l, info = carry
+    following = self.step_info(i + 1)
+    slot = self.slot_of(i)
+
+    def qk_product(s_ref):
+      # K of this step was waited for during the previous step's P V.
+      plgpu.wgmma(s_ref, self.qo_smem,
+                  self.smem.k.at[slot].transpose((1, 0)))
+      # An item's first Q K^T is issued outside a turn: the previous
+      # item's last P V passed it (see _consumer).
+      pl.when(i > 0)(lambda: common.pass_turn(self.wg))
+      return s_ref[...]
+    with _region("qk"):
+      qk = pl.run_scoped(qk_product, plgpu.ACC(self.tile, jnp.float32))
+    self.release_k_after_scores(slot)
+    acc, m, l, p_low = self.softmax_and_turn(qk, acc, m, l, info, i)
+
+    def pv_product(o_ref):
+      plgpu.wgmma(o_ref, p_low, self.smem.v.at[slot])
+      # The last P V of an item passes the turn at once (as in
+      # last_step).
+      pl.when(i + 1 == self.count)(lambda: common.pass_turn(self.wg))
+      # Wait for the next K while the tensor cores work.
+      @pl.when(i + 1 < self.count)
+      def _():
+        plgpu.barrier_wait(self.smem.k_ready.at[self.slot_of(i + 1)])
+    with _region("pv"):
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(self.smem.v_free.at[slot])
+    return acc, m, l, following
 
 
 def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
@@ -172,8 +384,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         _, next_b, next_block = next_item[1]
         next_head = schedule_head(next_b, next_block)
 
-        def tile_at(step):
-          return order_ref[b, q_block, step]
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
         qo_smem = smem.q.at[wg]
@@ -208,182 +418,13 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           pl.when(jnp.logical_and(when, next_exists))(
               lambda: load_q(*next_where))
 
-        def masked(s, kv_tile, kv_seg):
-          return spec.mask_tile(s, row_start=q_base, col_tile=kv_tile,
-                                col_block=block_kv, rows_are_queries=True,
-                                q_length=q_length, kv_length=kv_length,
-                                q_seg=q_seg, kv_seg=kv_seg)
-
-
-        def step_info(i):
-          """Step ``i``'s tile class and key tile, read a step early so
-          that their loads' latency is not waited for before the step's
-          softmax (the tile only matters to a masked step); step 0's come
-          from schedule_head."""
-          i = jnp.maximum(jnp.minimum(i, count - 1), 0)  # in bounds
-          return class_ref[b, q_block, i, wg], tile_at(i)
-
-        def slot_of(i):
-          return lax.rem(first_step + i, common.i32(stages))
-
-        # Key segment ids ride in K's slot: with them, the slot is released
-        # only after the step's softmax, whose masked branch alone reads
-        # them (softmax_and_turn), else right after the step's Q K^T has
-        # read K.
-        segments_ride_k = kv_seg_ref is not None
-
-        def kv_segments_loaded(slot):
-          """The key segment ids of ``slot`` (already waited for), broadcast
-          over the tile; the plain loops call it only where a tile is
-          masked."""
-          return broadcast_cols(
-              plgpu.load(smem.kv_segments.at[slot], layout=COL), tile)
-
-        def release_k_after_scores(slot):
-          """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
-          segment ids ride in it (then softmax_and_turn releases it)."""
-          if not segments_ride_k:
-            plgpu.barrier_arrive(smem.k_free.at[slot])
-
-        def first_scores():
-          """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
-          last ``P V`` passed it (see _consumer)."""
-          def qk_product(s_ref):
-            plgpu.wgmma(s_ref, qo_smem, smem.k.at[slot_of(0)].transpose((1, 0)))
-            return s_ref[...]
-          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          release_k_after_scores(slot_of(0))
-          return qk
-
-        def softmax_and_turn(qk, acc, m, l, info, i):
-          """Step ``i``'s online softmax of ``S_i``; then waits for ``V_i``
-          and for the turn.  Returns the rescaled ``O``, the new maximum and
-          sums, and ``P_i`` in the input dtype."""
-          step_class, kv_tile = info
-          slot = slot_of(i)
-          if segments_ride_k:
-            # Waited for every step (the barrier's phases), read only by
-            # masked tiles: a full tile keeps no segment ids in registers.
-            plgpu.barrier_wait(smem.kv_segments_ready.at[slot])
-
-          def mask_step(s):
-            kv_seg = kv_segments_loaded(slot) if segments_ride_k else None
-            return masked(s, kv_tile, kv_seg)
-          with _region("softmax"):
-            p, m_new, rescale = _exponentials(
-                qk, m, full=step_class == masks.FULL, logits=logits,
-                masked=mask_step)
-            if segments_ride_k:
-              plgpu.barrier_arrive(smem.k_free.at[slot])
-            # O is rescaled only in threads whose rows' maximum moved
-            # (rarely, once the first tiles have set it: see _exponentials).
-            acc = lax.cond(common.rows_grew(m, m_new),
-                           lambda a: a * broadcast_rows(rescale, a.shape),
-                           lambda a: a, acc)
-            l = l * rescale
-            p_low = p.astype(dtype)
-            l = l + p.sum(axis=1)
-          # P, the row sums and the maximum are formed before the waits for
-          # V and the turn: without the barrier the compiler sinks the
-          # exponentials past the turn, where they run while the other
-          # consumer waits for the tensor cores.  O's rescale is pinned too
-          # up to head dim 128; at 256 its 128 registers per thread are not
-          # worth it.
-          if head_dim <= 128:
-            acc, l, m_new, p_low = lax.optimization_barrier(
-                (acc, l, m_new, p_low))
-          else:
-            l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
-          with _region("v_wait"):
-            plgpu.barrier_wait(smem.v_ready.at[slot])
-          with _region("turn_wait"):
-            common.wait_turn(wg)
-          return acc, m_new, l, p_low
-
-        def chained_step(i, carry):
-          """A step of the ``qk_after_pv`` loop before the item's last:
-          within one turn ``O += P_i V_i``
-          and then ``S_{i+1} = Q K_{i+1}^T`` are issued back to back, so
-          that the tensor cores run the second while this consumer would
-          otherwise wait for the first; both are waited for together
-          (they complete in order)."""
-          acc, m, l, qk, info = carry
-          following = step_info(i + 1)
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
-          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(i), slot_of(i + 1))
-          return acc, m, l, qk, following
-
-        def pv_then_scores(acc, qk, p_low, slot, after):
-          """``O += P V`` on ``slot``, then ``S = Q K^T`` on K's ``after``
-          slot, the turn passed after both are issued; waits for both."""
-          def products(refs):
-            o_ref, qk_ref = refs
-            plgpu.wgmma(o_ref, p_low, smem.v.at[slot])
-            plgpu.barrier_wait(smem.k_ready.at[after])
-
-            # S's accumulator is allocated after P V is issued: zeros
-            # materialized before it make ptxas zero 64 registers per step
-            # instead of starting the product without an accumulator.
-            def scores(s_ref):
-              plgpu.wgmma(s_ref, qo_smem, smem.k.at[after].transpose((1, 0)))
-              common.pass_turn(wg)
-              qk_ref[...] = s_ref[...]
-            pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
-          with _region("pv_qk"):
-            acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
-          plgpu.barrier_arrive(smem.v_free.at[slot])
-          release_k_after_scores(after)
-          return acc, qk
-
-        def last_step(carry):
-          """The item's last step: ``O += P V`` alone, and the turn passed
-          at once, so that the other consumer's products queue behind it
-          and neither consumer's epilogue holds up the other."""
-          acc, m, l, qk, info = carry
-          slot = slot_of(count - 1)
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
-
-          def pv_product(o_ref):
-            plgpu.wgmma(o_ref, p_low, smem.v.at[slot])
-            common.pass_turn(wg)
-          with _region("last_pv"):
-            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(smem.v_free.at[slot])
-          return acc, m, l, qk, info
-
-        def waiting_step(i, carry):
-          """A step of the loop without ``qk_after_pv``: ``Q K^T`` is issued
-          once the previous step's ``P V`` has finished, and the turn passed
-          after it."""
-          acc, m, l, info = carry
-          following = step_info(i + 1)
-          slot = slot_of(i)
-
-          def qk_product(s_ref):
-            # K of this step was waited for during the previous step's P V.
-            plgpu.wgmma(s_ref, qo_smem, smem.k.at[slot].transpose((1, 0)))
-            # An item's first Q K^T is issued outside a turn: the previous
-            # item's last P V passed it (see _consumer).
-            pl.when(i > 0)(lambda: common.pass_turn(wg))
-            return s_ref[...]
-          with _region("qk"):
-            qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          release_k_after_scores(slot)
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
-
-          def pv_product(o_ref):
-            plgpu.wgmma(o_ref, p_low, smem.v.at[slot])
-            # The last P V of an item passes the turn at once (as in
-            # last_step).
-            pl.when(i + 1 == count)(lambda: common.pass_turn(wg))
-            # Wait for the next K while the tensor cores work.
-            @pl.when(i + 1 < count)
-            def _():
-              plgpu.barrier_wait(smem.k_ready.at[slot_of(i + 1)])
-          with _region("pv"):
-            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(smem.v_free.at[slot])
-          return acc, m, l, following
+        steps = _ItemSteps(
+            smem=smem, spec=spec, logits=logits, order_ref=order_ref,
+            class_ref=class_ref, wg=wg, b=b, q_block=q_block, count=count,
+            first_step=first_step, q_base=q_base, q_length=q_length,
+            kv_length=kv_length, q_seg=q_seg, qo_smem=qo_smem, tile=tile,
+            block_kv=block_kv, stages=stages, head_dim=head_dim, dtype=dtype,
+            segments_ride_k=kv_seg_ref is not None)
 
         acc = plgpu.layout_cast(
             jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -400,17 +441,17 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # or after P V at the item's last step (see _consumer).
         if not qk_after_pv:
           acc, m, l, _ = lax.fori_loop(
-              0, count, waiting_step, (acc, m, l, tuple(first_info)))
+              0, count, steps.waiting_step, (acc, m, l, tuple(first_info)))
         else:
           zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
                                     plgpu.Layout.WGMMA)
-          qk = lax.cond(count > 0, first_scores, lambda: zeros)
-          carry = lax.fori_loop(0, count - 1, chained_step,
+          qk = lax.cond(count > 0, steps.first_scores, lambda: zeros)
+          carry = lax.fori_loop(0, count - 1, steps.chained_step,
                                 (acc, m, l, qk, tuple(first_info)))
           if early_q:
             load_next_q()  # the last step's Q K^T has completed
-          acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
-                                     carry)
+          acc, m, l, _, _ = lax.cond(count > 0, steps.last_step,
+                                     lambda c: c, carry)
 
         if prefetch_q:
           if not early_q:
