@@ -101,6 +101,42 @@ class _ItemSteps:
   def tile_at(self, step):
     return self.order_ref[self.b, self.q_block, step]
 
+  def run(self, first_info, *, qk_after_pv: bool, after_last_scores=None):
+    """The item's steps from zeroed accumulators (``first_info``: step
+    0's tile class and key tile), with ``Q K^T`` issued after ``P V`` or
+    right behind it (``qk_after_pv``; ``after_last_scores()`` then runs
+    once the item's last ``Q K^T`` has completed).  Returns ``(O, m,
+    l)``: the unnormalized output, the rows' reference maxima and sums."""
+    block_q = self.tile[0]
+    acc = plgpu.layout_cast(
+        jnp.zeros((block_q, self.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
+                          ROW)
+    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
+
+    @pl.when(self.count > 0)
+    def _():
+      with _region("first_k_wait"):
+        plgpu.barrier_wait(self.smem.k_ready.at[
+            lax.rem(self.first_step, common.i32(self.stages))])
+    # The consumers alternate on the tensor cores: each waits for the turn
+    # before P V and passes it after the next Q K^T of the item, or after
+    # P V at the item's last step (see forward_kernel_call's consumer).
+    if not qk_after_pv:
+      acc, m, l, _ = lax.fori_loop(0, self.count, self.waiting_step,
+                                   (acc, m, l, first_info))
+      return acc, m, l
+    zeros = plgpu.layout_cast(jnp.zeros(self.tile, jnp.float32),
+                              plgpu.Layout.WGMMA)
+    qk = lax.cond(self.count > 0, self.first_scores, lambda: zeros)
+    carry = lax.fori_loop(0, self.count - 1, self.chained_step,
+                          (acc, m, l, qk, first_info))
+    if after_last_scores is not None:
+      after_last_scores()
+    acc, m, l, _, _ = lax.cond(self.count > 0, self.last_step, lambda c: c,
+                               carry)
+    return acc, m, l
+
   def masked(self, s, kv_tile, kv_seg):
     return self.spec.mask_tile(
         s, row_start=self.q_base, col_tile=kv_tile, col_block=self.block_kv,
@@ -278,6 +314,45 @@ class _ItemSteps:
     return acc, m, l, following
 
 
+def _forward_scratch(block_q: int, block_kv: int, stages: int, head_dim: int,
+                     dtype, *, segments: bool, output_buffer: bool
+                     ) -> _Scratch:
+  """The forward's buffers: segment ids only with ``segments``, and an
+  output buffer apart from Q only with ``output_buffer``."""
+  return _Scratch(
+      q=common.smem_tile((2, block_q, head_dim), dtype),
+      out=common.smem_tile((2, block_q, head_dim), dtype)
+      if output_buffer else None,
+      k=common.smem_tile((stages, block_kv, head_dim), dtype),
+      v=common.smem_tile((stages, block_kv, head_dim), dtype),
+      lse=plgpu.SMEM((2, block_q), jnp.float32),
+      q_segments=plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+      kv_segments=plgpu.SMEM((stages, block_kv), jnp.int32)
+      if segments else None,
+      k_ready=plgpu.Barrier(num_barriers=stages),
+      v_ready=plgpu.Barrier(num_barriers=stages),
+      q_ready=plgpu.Barrier(num_barriers=4),
+      kv_segments_ready=plgpu.Barrier(num_barriers=stages)
+      if segments else None,
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+
+def _write_output(acc: Array, m: Array, l: Array, o_smem, lse_smem, out_gmem,
+                  lse_gmem) -> None:
+  """An item's epilogue: ``O / l`` (zero for rows that see no key) and the
+  natural-log logsumexp (``-inf`` there) through shared memory to their
+  places in global memory."""
+  seen = l > 0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+  o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(o_smem.dtype)
+  lse_smem[...] = jnp.where(
+      seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2, -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_gmem)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+
+
 def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         kv_count: Array, classes: Array, block_order: Array,
                         q_lengths: Array | None, kv_lengths: Array | None,
@@ -426,32 +501,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
             block_kv=block_kv, stages=stages, head_dim=head_dim, dtype=dtype,
             segments_ride_k=kv_seg_ref is not None)
 
-        acc = plgpu.layout_cast(
-            jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
-                              ROW)
-        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
-        @pl.when(count > 0)
-        def _():
-          with _region("first_k_wait"):
-            plgpu.barrier_wait(
-                smem.k_ready.at[lax.rem(first_step, common.i32(stages))])
-        # The consumers alternate on the tensor cores: each waits for the
-        # turn before P V and passes it after the next Q K^T of the item,
-        # or after P V at the item's last step (see _consumer).
-        if not qk_after_pv:
-          acc, m, l, _ = lax.fori_loop(
-              0, count, steps.waiting_step, (acc, m, l, tuple(first_info)))
-        else:
-          zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-          qk = lax.cond(count > 0, steps.first_scores, lambda: zeros)
-          carry = lax.fori_loop(0, count - 1, steps.chained_step,
-                                (acc, m, l, qk, tuple(first_info)))
-          if early_q:
-            load_next_q()  # the last step's Q K^T has completed
-          acc, m, l, _, _ = lax.cond(count > 0, steps.last_step,
-                                     lambda c: c, carry)
+        acc, m, l = steps.run(tuple(first_info), qk_after_pv=qk_after_pv,
+                              after_last_scores=load_next_q if early_q
+                              else None)
 
         if prefetch_q:
           if not early_q:
@@ -462,17 +514,9 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           # their buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         with _region("epilogue"):
-          seen = l > 0
-          inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-          o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
-          smem.lse.at[wg][...] = jnp.where(
-              seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
-              -jnp.inf)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
-          plgpu.copy_smem_to_gmem(
-              smem.lse.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
+          rows = pl.ds(q_base, block_q)
+          _write_output(acc, m, l, o_smem, smem.lse.at[wg],
+                        out_ref.at[b, rows, head], lse_ref.at[b, head, rows])
         return first_step + count, next_head
 
       def consumer():
@@ -505,28 +549,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       common.split_warpgroups(wg, consumer, producer)
     return body
 
-  scratch = _Scratch(
-      q=common.smem_tile((2, block_q, head_dim), dtype),
-      out=common.smem_tile((2, block_q, head_dim), dtype)
-      if prefetch_q else None,
-      k=common.smem_tile((stages, block_kv, head_dim), dtype),
-      v=common.smem_tile((stages, block_kv, head_dim), dtype),
-      lse=plgpu.SMEM((2, block_q), jnp.float32),
-      q_segments=plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
-      kv_segments=plgpu.SMEM((stages, block_kv), jnp.int32)
-      if segments else None,
-      k_ready=plgpu.Barrier(num_barriers=stages),
-      v_ready=plgpu.Barrier(num_barriers=stages),
-      q_ready=plgpu.Barrier(num_barriers=4),
-      kv_segments_ready=plgpu.Barrier(num_barriers=stages)
-      if segments else None,
-      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   out, lse = common.warp_specialized_kernel(
       setup,
       (q, k, v, kv_order, kv_count, classes, block_order,
        *(optional[n] for n in optional_names)),
-      scratch=scratch,
+      scratch=_forward_scratch(block_q, block_kv, stages, head_dim, dtype,
+                               segments=segments, output_buffer=prefetch_q),
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
       grid=(items.num_ctas,), grid_names=("ctas",),
