@@ -169,7 +169,7 @@ class _ItemSteps:
 
   def first_scores(self):
     """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
-    last ``P V`` passed it (see _consumer)."""
+    last ``P V`` passed it (see ``consumer`` in forward_kernel_call)."""
     def qk_product(s_ref):
       plgpu.wgmma(s_ref, self.qo_smem,
                   self.smem.k.at[self.slot_of(0)].transpose((1, 0)))
@@ -291,7 +291,7 @@ class _ItemSteps:
       plgpu.wgmma(s_ref, self.qo_smem,
                   self.smem.k.at[slot].transpose((1, 0)))
       # An item's first Q K^T is issued outside a turn: the previous
-      # item's last P V passed it (see _consumer).
+      # item's last P V passed it (see ``consumer``).
       pl.when(i > 0)(lambda: common.pass_turn(self.wg))
       return s_ref[...]
     with _region("qk"):
