@@ -4,9 +4,7 @@ the per-head-dim table for ``jflash/backends/mosaic_gpu/config.py``.
 The search starts from the current tuned table (``tuned_config``, before
 the measured rules of ``default_config``) and changes one group of fields
 at a time: the forward tiling (block_q, block_kv, stages), then the
-forward's loop (``qk_after_pv``, ``chain_items``, ``overlap_qk``) and at
-head dim 64 the share of exponentials on the FMA units, timing the
-forward alone; then the backward's groups (dQ tiles, dK/dV tiles, ring
+forward's loop (``qk_after_pv``), timing the forward alone; then the backward's groups (dQ tiles, dK/dV tiles, ring
 depths, ``fuse_dq`` where the head dim allows it), timing
 forward+backward.
 
@@ -28,8 +26,9 @@ dim at S=16384)::
       --seqs 16384 --out tune.json
 
 With several lengths (``--seqs 1024,16384``) the head dim's row comes from
-the longest, and the others give per-length entries for ``_BY_LENGTH``
-(:func:`length_table`).
+the longest; for each other length the fields in which its best differs
+from that row are printed (:func:`length_differences`), for a rule in
+``default_config`` if they are worth one.
 
 The feature rules of ``default_config`` (tiles and loops for segment ids
 and soft caps) are tuned with a feature mask alone: ``--masks segments``
@@ -135,24 +134,9 @@ def forward_candidates(head_dim: int) -> list[MosaicGpuConfig]:
 
 
 def forward_switches() -> list[dict]:
-  """Tried on the best forward tiling: the plain loop with ``Q K^T``
-  issued after ``P V`` has finished or right behind it, the latter also
-  chained across items (``chain_items``; refused where its buffers do not
-  fit, e.g. head dim 256), and the intra-warpgroup overlap (which leaves
-  the plain loop's switches unread)."""
-  return [dict(overlap_qk=False, qk_after_pv=False, chain_items=False),
-          dict(overlap_qk=False, qk_after_pv=True, chain_items=False),
-          dict(overlap_qk=False, qk_after_pv=True, chain_items=True),
-          dict(overlap_qk=True, qk_after_pv=None, chain_items=None)]
-
-
-def exp2_splits(head_dim: int) -> list[dict]:
-  """Tried on the best forward loop where the softmax waits on the
-  special-function unit (head dim 64): a share of each key tile's
-  exponentials on the FMA units instead.  Elsewhere none."""
-  if head_dim > 64:
-    return []
-  return [dict(fma_exp2_columns=n) for n in (0, 16, 32, 64)]
+  """Tried on the best forward tiling: the loop with ``Q K^T`` issued
+  after ``P V`` has finished or right behind it."""
+  return [dict(qk_after_pv=False), dict(qk_after_pv=True)]
 
 
 def backward_groups(head_dim: int) -> list[list[dict]]:
@@ -182,9 +166,7 @@ def search_groups(head_dim: int) -> list[tuple[str, list[dict]]]:
   timed on (``fwd`` or ``fwdbwd``)."""
   tilings = [dict(block_q=c.block_q, block_kv=c.block_kv, stages=c.stages)
              for c in forward_candidates(head_dim)]
-  splits = exp2_splits(head_dim)
   return ([("fwd", tilings), ("fwd", forward_switches())] +
-          ([("fwd", splits)] if splits else []) +
           [("fwdbwd", group) for group in backward_groups(head_dim)])
 
 
@@ -373,29 +355,21 @@ def _show(row: dict) -> str:
   return f"  {row['pass_']:6s} {row['fields']}: {value}"
 
 
-def length_table(best_by_seq: dict[int, MosaicGpuConfig]
-                 ) -> tuple[MosaicGpuConfig, tuple[tuple[int, dict], ...]]:
-  """The head dim's row and its per-length entries from the best
-  configuration at each tuned length.
-
-  The row is the best at the longest length.  Each shorter length ``S``
-  gets an entry covering the keys up to the geometric mean of ``S`` and the
-  next tuned length, holding the fields in which its best differs from the
-  row (an empty entry keeps the row there).  No entries when every length
-  agrees with the row.
-  """
+def length_differences(best_by_seq: dict[int, MosaicGpuConfig]
+                       ) -> tuple[MosaicGpuConfig, dict[int, dict]]:
+  """The head dim's row (the best at the longest tuned length) and, for
+  each shorter length whose best differs from it, the differing fields."""
   seqs = sorted(best_by_seq)
   row = best_by_seq[seqs[-1]]
-  entries = []
-  for seq, longer in zip(seqs, seqs[1:]):
+  differences = {}
+  for seq in seqs[:-1]:
     best = best_by_seq[seq]
     fields = {f.name: getattr(best, f.name)
               for f in dataclasses.fields(best)
               if getattr(best, f.name) != getattr(row, f.name)}
-    entries.append((round(math.sqrt(seq * longer)), fields))
-  if not any(fields for _, fields in entries):
-    return row, ()
-  return row, tuple(entries)
+    if fields:
+      differences[seq] = fields
+  return row, differences
 
 
 def main() -> None:
@@ -403,7 +377,8 @@ def main() -> None:
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--seqs", "--seq", dest="seqs", default="4096",
                       help="comma-separated sequence lengths; with several, "
-                      "per-length entries are printed too")
+                      "the row comes from the longest and the others' "
+                      "differences from it are printed")
   parser.add_argument("--masks", default=",".join(TABLE_MASKS),
                       help=f"comma-separated, from {TABLE_MASKS}, or one of "
                       f"{FEATURE_MASKS} alone (tunes that feature's rule)")
@@ -493,22 +468,21 @@ def _combined(paths: list[str]) -> dict[int, dict[int, MosaicGpuConfig]]:
 
 
 def _print_table(table: dict[int, dict[int, MosaicGpuConfig]]) -> None:
-  """The rows for ``_DEFAULTS`` and, where several lengths were tuned, the
-  entries for ``_BY_LENGTH``, ready to paste."""
+  """The rows for ``_DEFAULTS``, ready to paste, and where several
+  lengths were tuned, each shorter length's differences from its row."""
   print("\nPaste into jflash/backends/mosaic_gpu/config.py (_DEFAULTS):")
-  several = any(len(by_seq) > 1 for by_seq in table.values())
-  entries_by_head = {}
+  differences_by_head = {}
   for head_dim, by_seq in table.items():
-    row, entries_by_head[head_dim] = length_table(by_seq)
+    row, differences_by_head[head_dim] = length_differences(by_seq)
     fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(
         row).items())
     same = row == tuned_config(head_dim, max(by_seq))
     print(f"    {head_dim}: MosaicGpuConfig({fields}),"
           + ("  # the default, kept" if same else ""))
-  if several:
-    print("and (_BY_LENGTH):")
-    for head_dim, entries in entries_by_head.items():
-      print(f"    {head_dim}: {entries!r},")
+  for head_dim, differences in differences_by_head.items():
+    for seq, fields in differences.items():
+      print(f"    head dim {head_dim}, S={seq} differs from the row in: "
+            + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
 
 if __name__ == "__main__":

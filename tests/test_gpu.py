@@ -82,27 +82,15 @@ class TestMosaicGpuFusedBackward(TestMosaicGpu):
     super().check_case(case, dtype, seed)
 
 
-class TestMosaicGpuOverlappedForward(TestMosaicGpu):
-  """The forward with ``MosaicGpuConfig(overlap_qk=True)``: each step's
-  ``Q K^T`` issued with the previous ``P V``."""
-
-  @property
-  def implementation(self):
-    from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-    return MosaicGpuBackend(MosaicGpuConfig(overlap_qk=True))
-
-
 class TestMosaicGpuVariantForwardLoop(TestMosaicGpu):
-  """The forward's opt-in loop and exponentials together
-  (``MosaicGpuConfig(qk_after_pv=True, fma_exp2_columns=32)``): each
-  step's next ``Q K^T`` issued right behind its ``P V``, and 32 columns of
-  every key tile exponentiated on the FMA units."""
+  """The forward's other loop at every head dim
+  (``MosaicGpuConfig(qk_after_pv=True)``, the default at head dim 128
+  only): each step's next ``Q K^T`` issued right behind its ``P V``."""
 
   @property
   def implementation(self):
     from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-    return MosaicGpuBackend(MosaicGpuConfig(qk_after_pv=True,
-                                            fma_exp2_columns=32))
+    return MosaicGpuBackend(MosaicGpuConfig(qk_after_pv=True))
 
 
 class TestMosaicGpuOverlappedBackward(TestMosaicGpu):
@@ -218,48 +206,6 @@ def test_mosaic_gpu_fused_backward_is_the_causal_default(head_dim, q_len,
                                   err_msg=f"default d{name} seed={seed}")
 
 
-@pytest.mark.parametrize("feature", ["plain", "causal", "window", "lengths",
-                                     "segments", "soft_cap", "combined"])
-def test_mosaic_gpu_variant_chained_items_match_the_unchained_loop(feature):
-  """``chain_items`` (each item's last turn also issues the next item's
-  first ``Q K^T``; Q and output buffers alternating) at a shape with more
-  items than SMs, so that every CTA chains: output and gradients bitwise
-  equal to the ``qk_after_pv`` loop without chaining (same products in
-  the same order; the conformance suite checks that loop against the
-  reference), and the output near the float32 reference."""
-  from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
-  rng, seed = conformance.new_rng()
-  # 2 rows x 16 heads x 9 query blocks of 128 = 288 items.
-  case = conformance.build_case(rng, feature, dtype=jnp.bfloat16, batch=2,
-                                q_len=1100, kv_len=1300, heads=16,
-                                kv_heads=4, head_dim=128)
-  # Every in-kernel feature together; a dense bias or mask is not in-kernel.
-  case.bias = case.mask = None
-  cot = random_normal(rng, case.query.shape, jnp.bfloat16)
-
-  def run(chain_items):
-    backend = MosaicGpuBackend(MosaicGpuConfig(qk_after_pv=True,
-                                               chain_items=chain_items))
-
-    def f(q, k, v):
-      return case.call_jflash(q, k, v, case.bias, implementation=backend)
-
-    def both(*a):
-      out, vjp = jax.vjp(f, *a)
-      return out, vjp(cot)
-    return jax.jit(both)(*case.arrays[:3])
-
-  out, grads = run(True)
-  base_out, base_grads = run(False)
-  for name, got, want in zip(["out", "dq", "dk", "dv"], (out, *grads),
-                             (base_out, *base_grads)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
-                                  err_msg=f"{name} seed={seed}")
-  ref = case.call_reference(*(a.astype(jnp.float32)
-                              for a in case.arrays[:3]), case.bias)[0]
-  assert rel_err(out, ref) < 1e-2, seed
-
-
 def test_mosaic_gpu_writes_every_output_element():
   """Poisoned memory: the allocator's free blocks are filled with NaN right
   before the call, so any output or gradient element a kernel fails to
@@ -305,7 +251,7 @@ def test_mosaic_gpu_memory_at_128k():
 # a child process, so that a deadlock fails the test at its timeout
 # instead of stalling the suite.
 _MANY_ITEMS_CASES = [
-    (64, 1024, True, None, {}), (64, 1024, True, None, {"overlap_qk": True}),
+    (64, 1024, True, None, {}),
     (64, 4096, True, None, {}), (64, 1024, False, None, {}),
     (128, 1024, True, None, {}), (128, 1024, True, None,
                                   {"qk_after_pv": True}),

@@ -19,7 +19,7 @@ from jflash import masks
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
-from jflash.backends.mosaic_gpu import common, forward
+from jflash.backends.mosaic_gpu import common, schedule
 from tests._support import random_segments
 
 
@@ -45,10 +45,7 @@ def _cuda_lowering(run, q, kv) -> str:
 @pytest.mark.parametrize("field,value", [("block_q", 96), ("block_kv", 0),
                                          ("stages", 1), ("stages_dq", 0),
                                          ("stages_dkv", 0), ("fuse_dq", 1),
-                                         ("overlap_qk", "yes"),
                                          ("qk_after_pv", 1),
-                                         ("fma_exp2_columns", 12),
-                                         ("fma_exp2_columns", -8),
                                          ("block_q_dq", 64.0),
                                          ("dq_slots", 0), ("dq_slots", 2.0)])
 def test_config_rejects_bad_values(field, value):
@@ -56,16 +53,9 @@ def test_config_rejects_bad_values(field, value):
     MosaicGpuConfig(**{field: value})
 
 
-def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
-  """qk_after_pv sets the forward's plain loop: a value other than the
-  default with overlap_qk=True would be dropped, so it is refused; either
-  value is kept without overlap_qk.  The table turns it on at head dim
+def test_qk_after_pv_default_follows_head_dim_and_features():
+  """A caller's qk_after_pv is kept; the table turns it on at head dim
   128 only, and segment ids or a soft cap turn it off."""
-  for head_dim, value in ((64, True), (128, False)):
-    with pytest.raises(ValueError,
-                       match=f"MosaicGpuConfig.qk_after_pv={value}.*overlap_qk"):
-      MosaicGpuConfig(overlap_qk=True, qk_after_pv=value).resolved(head_dim)
-  assert MosaicGpuConfig(overlap_qk=True).resolved(128).overlap_qk
   for value in (False, True):
     assert MosaicGpuConfig(qk_after_pv=value).resolved(64).qk_after_pv \
         == value
@@ -74,22 +64,6 @@ def test_qk_after_pv_is_refused_where_overlap_qk_replaces_its_loop():
   assert not mosaic_gpu.default_config(128, 4096, segments=True).qk_after_pv
   assert not mosaic_gpu.default_config(128, 4096, soft_cap=True).qk_after_pv
   assert mosaic_gpu.default_config(128, 4096, causal=True).qk_after_pv
-
-
-def test_chain_items_needs_the_qk_after_pv_loop():
-  """chain_items chains the qk_after_pv loop: without that loop (asked
-  for, or by default at head dim 64 and with segment ids) or with
-  overlap_qk it would be dropped, so it is refused by name."""
-  for fields, head_dim, kw in ((dict(qk_after_pv=False), 128, {}),
-                               ({}, 64, {}), ({}, 128, dict(segments=True)),
-                               (dict(overlap_qk=True), 128, {})):
-    with pytest.raises(ValueError, match="MosaicGpuConfig.chain_items=True"):
-      MosaicGpuConfig(chain_items=True, **fields).resolved(head_dim, **kw)
-  assert MosaicGpuConfig(chain_items=True).resolved(128).chain_items
-  assert MosaicGpuConfig(chain_items=True, qk_after_pv=True).resolved(
-      64, segments=True).chain_items
-  assert not any(mosaic_gpu.default_config(h).chain_items
-                 for h in (64, 128, 256))
 
 
 def _forward_kernel_text(head_dim: int, **fields) -> str:
@@ -105,57 +79,13 @@ def _forward_kernel_text(head_dim: int, **fields) -> str:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_forward_switches_reach_the_kernel(head_dim):
-  """qk_after_pv, chain_items and fma_exp2_columns change the forward
-  kernel that is traced, not only the resolved configuration: the chained
-  loop issues more products (its first Q K^T before the loop, its last P V
-  alone; across items, a last step with the next item's Q K^T too), and
-  the FMA exponentials bring integer bit operations the special-function
-  path has none of."""
+def test_qk_after_pv_reaches_the_kernel(head_dim):
+  """qk_after_pv changes the forward kernel that is traced, not only the
+  resolved configuration: the chained loop issues more products (its
+  first Q K^T before the loop, its last P V alone)."""
   default = _forward_kernel_text(head_dim, qk_after_pv=False)
   chained = _forward_kernel_text(head_dim, qk_after_pv=True)
-  across_items = _forward_kernel_text(head_dim, qk_after_pv=True,
-                                      chain_items=True)
-  fma = _forward_kernel_text(head_dim, qk_after_pv=False,
-                             fma_exp2_columns=32)
   assert chained.count("wgmma") > default.count("wgmma")
-  # chain_items adds the last step that also issues the next item's Q K^T.
-  assert across_items.count("wgmma") > chained.count("wgmma")
-  assert "shift_left" not in default and "shift_left" in fma
-  assert fma.count("bitcast_convert_type") > default.count(
-      "bitcast_convert_type")
-
-
-def test_exp2_on_fma_matches_exp2_and_gives_zero_for_minus_infinity():
-  """The FMA-unit exponential the forward can use for part of a tile:
-  relative error within its documented 1.02e-4 over the softmax's whole
-  range (x <= 0, down to the smallest normal), exactly 0 for -inf and
-  for the masked logits' -1e30, and never negative or non-finite.  Run op
-  by op: under jit, XLA folds the (x + c) - c rounding step away, which
-  the kernel's compiler does not."""
-  from jflash.backends.mosaic_gpu.common import exp2_on_fma, exp2_split
-  rng = _rng()
-  x = np.concatenate([-rng.uniform(0, 126, 50_000), -rng.uniform(0, 1, 5_000),
-                      -rng.integers(0, 126, 200).astype(np.float64),
-                      -rng.integers(0, 126, 200) - 0.5]).astype(np.float32)
-  got = np.asarray(exp2_on_fma(jnp.asarray(x)), np.float64)
-  want = np.exp2(x.astype(np.float64))
-  assert np.max(np.abs(got - want) / want) <= 1.02e-4
-  special = np.asarray(exp2_on_fma(jnp.asarray(
-      [-np.inf, -1e30, -127.0, -200.0], jnp.float32)))
-  np.testing.assert_array_equal(special, 0.0)
-  tail = np.asarray(exp2_on_fma(jnp.asarray(
-      -rng.uniform(126, 127, 1000), jnp.float32)))
-  assert np.all(np.isfinite(tail)) and np.all(tail >= 0) and tail.max() < 2e-38
-  # The split: the last columns by the cubic, the others exactly exp2.
-  tile = jnp.asarray(-rng.uniform(0, 30, (8, 64)), jnp.float32)
-  split = np.asarray(exp2_split(tile, 16))
-  np.testing.assert_array_equal(split[:, :48],
-                                np.asarray(jnp.exp2(tile))[:, :48])
-  np.testing.assert_array_equal(split[:, 48:],
-                                np.asarray(exp2_on_fma(tile[:, 48:])))
-  np.testing.assert_array_equal(np.asarray(exp2_split(tile, 64)),
-                                np.asarray(exp2_on_fma(tile)))
 
 
 def test_fused_backward_rejects_head_dim_256():
@@ -270,14 +200,10 @@ def test_config_resolves_per_head_dim():
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-def test_key_tiles_never_wider_than_the_keys(head_dim, monkeypatch):
+def test_key_tiles_never_wider_than_the_keys(head_dim):
   """With the number of keys known, the forward and dQ key tiles narrow to
   the smallest of 64, 128, 256 covering them (never widening the tuned
-  tile); an explicit tile is kept; long sequences get the tuned table.
-  (The narrowing alone: no per-length entries.)"""
-  from jflash.backends.mosaic_gpu import config as config_module
-  monkeypatch.setattr(config_module, "_BY_LENGTH",
-                      {64: (), 128: (), 256: ()})
+  tile); an explicit tile is kept; long sequences get the tuned table."""
   tuned = mosaic_gpu.default_config(head_dim)
   rng = _rng()
   # (4095: below the fused backward's rule, tested on its own.)
@@ -325,30 +251,6 @@ def test_feature_rules_narrow_key_tiles(head_dim):
   explicit = MosaicGpuConfig(block_kv_dq=row.block_kv_dq).resolved(
       head_dim, 4096, soft_cap=True)
   assert explicit.block_kv_dq == row.block_kv_dq
-
-
-def test_per_length_entries_apply_up_to_their_length(monkeypatch):
-  """A per-length entry replaces its fields for every kv_len up to its
-  bound (the first covering entry wins), before the narrowing rule; fields
-  the caller sets are kept; without kv_len the head dim's row applies."""
-  from jflash.backends.mosaic_gpu import config as config_module
-  monkeypatch.setattr(config_module, "_BY_LENGTH", {
-      64: (), 128: ((2048, dict(stages=3, block_kv_dq=64)),
-                    (8192, dict(stages=3))), 256: ()})
-  row = mosaic_gpu.default_config(128)
-  assert mosaic_gpu.default_config(128, 2048).stages == 3
-  assert mosaic_gpu.default_config(128, 2048).block_kv_dq == 64
-  assert mosaic_gpu.default_config(128, 2049).block_kv_dq == row.block_kv_dq
-  assert mosaic_gpu.default_config(128, 8192).stages == 3
-  # Past the entries only the fused-backward rule changes the row.
-  assert mosaic_gpu.default_config(128, 8193) == dataclasses.replace(
-      row, fuse_dq=True, dq_slots=1)
-  assert mosaic_gpu.default_config(128) == row
-  # Narrowing still applies on top: 100 keys take a 128-key tile.
-  assert mosaic_gpu.default_config(128, 100).block_kv_dq == 64
-  assert mosaic_gpu.default_config(128, 100).block_kv == 128
-  assert MosaicGpuConfig(stages=2).resolved(128, 1000).stages == 2
-  assert mosaic_gpu.default_config(64, 1000) == mosaic_gpu.default_config(64)
 
 
 def test_fused_backward_default_needs_many_keys_and_no_moving_mask():
@@ -573,17 +475,13 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
             assert tile.shape == (bq, bk) and tile.all()
 
 
-@pytest.mark.parametrize("variant", [{}, dict(overlap_qk=True),
-                                     dict(qk_after_pv=True),
-                                     dict(qk_after_pv=True, chain_items=True),
-                                     dict(fma_exp2_columns=32),
+@pytest.mark.parametrize("variant", [{}, dict(qk_after_pv=True),
                                      dict(fuse_dq=True),
                                      dict(fuse_dq=True, dq_slots=1),
                                      dict(overlap_sdp=True),
                                      dict(overlap_sdp=False),
                                      dict(fuse_dq=True, overlap_sdp=True)],
-                         ids=["default", "overlap_qk", "qk_after_pv",
-                              "chain_items", "fma_exp2",
+                         ids=["default", "qk_after_pv",
                               "fuse_dq",
                               "fuse_dq_one_slot", "overlap_sdp",
                               "plain_sdp", "fuse_dq_overlap_sdp"])
@@ -623,17 +521,6 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
       head_dim=head_dim)
 
   run = _forward_and_backward(mask, plan)
-  c = plan.config
-  if variant.get("chain_items") and forward._forward_smem_bytes(
-      c.block_q, c.block_kv, c.stages, head_dim, jnp.bfloat16,
-      "segments" in features,
-      output_columns=head_dim) > common.SMEM_LIMIT_BYTES:
-    # Two Q buffers per consumer do not fit in shared memory beside the
-    # ring (head dim 256; 64 with segment ids and 256-key tiles): refused
-    # by name, not dropped.
-    with pytest.raises(ValueError, match="chain_items=True needs two Q"):
-      _cuda_lowering(run, q, kv)
-    return
   text = _cuda_lowering(run, q, kv)
   # Forward, then dQ and dK/dV, or the one fused backward kernel.
   kernels = text.count("custom_call @mosaic_gpu")
@@ -642,11 +529,10 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
                       else ("jflash_dq", "jflash_dkv"))
   for name in ("jflash_forward",) + backward_kernels:
     assert f"{name}_mosaic_gpu" in text, name
-  # Only the overlapped forward, and backward passes with overlap_sdp (set
-  # or by default), wait for all but the newest product.
+  # Only backward passes with overlap_sdp (set or by default) wait for all
+  # but the newest product.
   jaxpr = str(jax.make_jaxpr(run)(q, kv, kv))
-  assert ("wait_n=1" in jaxpr) == (plan.config.overlap_qk
-                                   or plan.config.overlap_sdp)
+  assert ("wait_n=1" in jaxpr) == plan.config.overlap_sdp
   if "overlap_sdp" in variant:
     assert plan.config.overlap_sdp == variant["overlap_sdp"]
 
@@ -857,3 +743,73 @@ def test_kernels_lower_under_x64(head_dim, features, t, s, monkeypatch):
       head_dim, s, causal=extra["is_causal"], soft_cap="soft_cap" in features,
       segments="segments" in features, window=features.get("window")).fuse_dq
   assert text.count("custom_call @mosaic_gpu") == (2 if fused else 3)
+
+
+def test_heaviest_first_starts_the_longest_blocks_first():
+  rng = _rng()
+  batch, t, s = 3, 70, 90
+  mask = masks.AttentionMask(
+      batch=batch, q_len=t, kv_len=s, is_causal=True,
+      kv_lengths=jnp.asarray(rng.integers(1, s + 1, batch), jnp.int32),
+      q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
+      kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
+  sched = masks.tile_schedule(mask, 8, 16)
+  for count in (np.asarray(sched.kv_count), np.asarray(sched.q_count),
+                rng.integers(0, 4, (2, 9))):  # many ties
+    order = np.asarray(schedule.heaviest_first(jnp.asarray(count)))
+    flat = count.reshape(-1)
+    # Every block exactly once; counts non-increasing; ties in index order.
+    np.testing.assert_array_equal(np.sort(order), np.arange(flat.size))
+    np.testing.assert_array_equal(
+        order, np.lexsort((np.arange(flat.size), -flat)))
+  # Causal with no other rule: the last query block has the most tiles.
+  causal = masks.tile_schedule(
+      masks.AttentionMask(batch=2, q_len=64, kv_len=64, is_causal=True), 16,
+      16)
+  np.testing.assert_array_equal(
+      np.asarray(schedule.heaviest_first(causal.kv_count)),
+      [3, 7, 2, 6, 1, 5, 0, 4])
+
+
+def test_visited_in_reverse_and_earlier_visitors():
+  rng = _rng()
+  visits = rng.random((2, 5, 4)) < 0.6  # [B, nq, nk]
+  mask = masks.AttentionMask(
+      batch=2, q_len=40, kv_len=40, is_causal=True,
+      window=(int(rng.integers(0, 20)), int(rng.integers(0, 20))))
+  sched = masks.tile_schedule(mask, 8, 10)
+  order, count = np.asarray(sched.q_order), np.asarray(sched.q_count)
+  got = np.asarray(schedule.visited_in_reverse(jnp.asarray(order),
+                                               jnp.asarray(count)))
+  for idx in np.ndindex(count.shape):
+    n = count[idx]
+    np.testing.assert_array_equal(
+        got[idx], np.concatenate([order[idx][:n][::-1], order[idx][n:]]))
+  # Ranks: for key block j at a step visiting query tile i, the number of
+  # key blocks before j that visit i.
+  steps = rng.integers(0, 5, (2, 4, 6))
+  ranks = np.asarray(schedule.earlier_visitors(jnp.asarray(visits),
+                                               jnp.asarray(steps)))
+  for b, j, s in np.ndindex(steps.shape):
+    assert ranks[b, j, s] == visits[b, steps[b, j, s], :j].sum()
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 5])
+def test_earlier_visitors_and_visited_per_slot(slots):
+  rng = _rng()
+  nq, nk = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+  visits = rng.random((2, nq, nk)) < 0.6  # [B, nq, nk]
+  steps = rng.integers(0, nq, (2, nk, 5))
+  ranks = np.asarray(schedule.earlier_visitors(
+      jnp.asarray(visits), jnp.asarray(steps), slots=slots))
+  for b, j, s in np.ndindex(steps.shape):
+    same_sum = [i for i in range(j) if i % slots == j % slots]
+    assert ranks[b, j, s] == visits[b, steps[b, j, s], same_sum].sum()
+  per_slot = np.asarray(schedule.visited_per_slot(jnp.asarray(visits),
+                                                  slots))
+  assert per_slot.shape == (slots, 2, nq)
+  for r, b, i in np.ndindex(per_slot.shape):
+    assert per_slot[r, b, i] == visits[b, i, r::slots].any()
+  with pytest.raises(ValueError, match="slots"):
+    schedule.earlier_visitors(jnp.asarray(visits), jnp.asarray(steps),
+                              slots=0)

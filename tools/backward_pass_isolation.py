@@ -51,7 +51,7 @@ def main() -> None:
 
   import jflash  # noqa: PLC0415
   from jflash.backends import mosaic_gpu  # noqa: PLC0415
-  from jflash.backends.mosaic_gpu import backward, backward_dq  # noqa: PLC0415
+  from jflash.backends.mosaic_gpu import backward_dkv, backward_dq  # noqa: PLC0415
 
   seen_stats = []
 
@@ -102,7 +102,7 @@ def main() -> None:
           f"statistics copied out: same={recorded == both})", flush=True)
     with _replaced(backward_dq, "dq_kernel_call", zeros_instead_of_dq):
       dkv_alone = grads()
-    with _replaced(backward, "dkv_kernel_call", zeros_instead_of_dkv):
+    with _replaced(backward_dkv, "dkv_kernel_call", zeros_instead_of_dkv):
       dq_alone = grads()
     print(f"{name}: rerun same={both == again}; "
           f"dK/dV without the dQ kernel same="

@@ -1,6 +1,5 @@
 """Compare mosaic_gpu kernel variants on a Hopper GPU in one process: the
-default configuration, the overlapped forward
-(``MosaicGpuConfig(overlap_qk=True)``) and the fused one-pass backward
+default configuration and the fused one-pass backward
 (``MosaicGpuConfig(fuse_dq=True)``).
 
 For each cell and variant it prints forward, forward+backward and
@@ -33,8 +32,7 @@ from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
 
 _CELLS = ((128, 16384, False), (128, 4096, True), (128, 16384, True),
           (64, 4096, False), (256, 4096, False))
-_VARIANTS = (("default", {}), ("overlap_qk", dict(overlap_qk=True)),
-             ("fuse_dq", dict(fuse_dq=True)))
+_VARIANTS = (("default", {}), ("fuse_dq", dict(fuse_dq=True)))
 
 
 def _time(fn, args) -> float:

@@ -8,8 +8,8 @@
 # 600 s call holds.  Split them: TIMING=0 TESTS_S=560 for the tests, then
 # TESTS=0 for the timing.  Logs go to ${OUT:-out}/.
 #
-# VARIANTS=1 tests the opt-in kernel variants (overlap_qk, overlap_sdp,
-# fuse_dq, qk_after_pv with fma_exp2_columns, chain_items) instead of the
+# VARIANTS=1 tests the opt-in kernel variants (overlap_sdp, fuse_dq,
+# qk_after_pv) instead of the
 # default configuration, under a longer limit and without the timing (about eight
 # minutes).  TESTS_S overrides the tests' time limit.  Each test's result
 # is logged as it finishes, so a call that reaches its limit still says

@@ -13,7 +13,7 @@ two heads against the float32 reference.
 Usage (from the repository root, on the GPU)::
 
   PYTHONPATH=. python3 tools/mosaic_gpu_hang_probe.py [--timeout 60] \\
-      [--stages fwd,bwd] [--config overlap_qk=true] [--only 64:1024:causal]
+      [--stages fwd,bwd] [--config fuse_dq=true] [--only 64:1024:causal]
 
 ``--tree DIR`` runs another source tree's ``jflash`` (see
 ``tools/stage_trees.sh``).
@@ -51,7 +51,7 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=60.0)
   parser.add_argument("--stages", default="fwd,bwd")
   parser.add_argument("--config", nargs="*", default=[],
-                      help="MosaicGpuConfig fields, e.g. overlap_qk=true")
+                      help="MosaicGpuConfig fields, e.g. fuse_dq=true")
   parser.add_argument("--only", nargs="*", default=[],
                       help="case names (head:seq:causal|full[:wN])")
   parser.add_argument("--tree", default=".")

@@ -147,7 +147,7 @@ def main() -> None:
                       help="heads of the [1, T, heads, H] inputs; with "
                       "more than about 16 the persistent kernels get "
                       "several items per CTA, whose code (the next item's "
-                      "loads, chain_items) is otherwise folded away")
+                      "loads) is otherwise folded away")
   parser.add_argument("--seq-len", type=int, default=1024,
                       help="T of the inputs (queries and keys); a length "
                       "that is not a multiple of the tiles compiles the "

@@ -192,8 +192,7 @@ def test_tuner_candidates_include_the_defaults_and_fit():
       assert smem <= 227 * 1024
     # Every switch and backward group entry is a valid config for the head
     # dim (the fused backward is offered only where it serves).
-    for fields in tune_mosaic_gpu.forward_switches() + \
-        tune_mosaic_gpu.exp2_splits(head_dim) + [
+    for fields in tune_mosaic_gpu.forward_switches() + [
         f for group in tune_mosaic_gpu.backward_groups(head_dim)
         for f in group]:
       dataclasses.replace(default, **fields).resolved(head_dim)
@@ -266,37 +265,26 @@ def test_tuner_takes_clear_winners_and_builds_on_them():
   assert all(c != i for c, i, _ in seen)
 
 
-def test_tuner_length_table(monkeypatch):
-  """The row is the longest length's best; a shorter length's entry holds
-  exactly the fields its best changes, up to the geometric mean with the
-  next length; applying the entries reproduces each length's best."""
-  import math
-  from benchmarks.tune_mosaic_gpu import length_table
-  from jflash.backends.mosaic_gpu import config as config_module
+def test_tuner_length_differences():
+  """The row is the longest length's best; each shorter length whose best
+  differs from it gets exactly the differing fields."""
+  from benchmarks.tune_mosaic_gpu import length_differences
   from jflash.backends.mosaic_gpu import tuned_config
   row = tuned_config(128)
   best = {16384: dataclasses.replace(row, stages=3),
           1024: dataclasses.replace(row, block_kv_dq=64, stages=3),
           4096: dataclasses.replace(row, stages=3)}
-  table_row, entries = length_table(best)
+  table_row, differences = length_differences(best)
   assert table_row == best[16384]
-  assert entries == ((round(math.sqrt(1024 * 4096)), dict(block_kv_dq=64)),
-                     (round(math.sqrt(4096 * 16384)), {}))
-  # Pasted into the config, each tuned length gets its best back.
-  monkeypatch.setattr(config_module, "_DEFAULTS",
-                      {**config_module._DEFAULTS, 128: table_row})
-  monkeypatch.setattr(config_module, "_BY_LENGTH",
-                      {**config_module._BY_LENGTH, 128: entries})
-  for seq, config in best.items():
-    assert tuned_config(128, seq) == config, seq
-  # Lengths that all agree with the row give no entries.
-  assert length_table({1024: row, 16384: row}) == (row, ())
-  assert length_table({4096: row}) == (row, ())
+  assert differences == {1024: dict(block_kv_dq=64)}
+  assert length_differences({1024: row, 16384: row}) == (row, {})
+  assert length_differences({4096: row}) == (row, {})
 
 
 def test_tuner_combines_runs_into_a_table(tmp_path):
-  """--combine prints the row and per-length entries from --out files of
-  separate runs (one length per device call), without running anything."""
+  """--combine prints the row and the shorter lengths' differences from
+  --out files of separate runs (one length per device call), without
+  running anything."""
   from jflash.backends.mosaic_gpu import tuned_config
   row = tuned_config(128)
   short = dataclasses.replace(row, stages_dq=1)
@@ -310,7 +298,8 @@ def test_tuner_combines_runs_into_a_table(tmp_path):
       cwd=_ROOT)
   assert "128: MosaicGpuConfig(" in done.stdout
   assert "# the default, kept" in done.stdout
-  assert "128: ((4096, {'stages_dq': 1}),)," in done.stdout
+  assert "head dim 128, S=1024 differs from the row in: stages_dq=1" in (
+      done.stdout)
 
 
 def test_tuner_records_configurations_that_fail():

@@ -6,10 +6,12 @@ and any sequence lengths; head dims up to 256 run at 64, 128 or 256 (zero
 padded).  It declines (``NotImplementedError``) float32 inputs, a dense
 ``bias`` or ``mask``, and interpret mode; the next backend serves those.
 
-The forward saves the float32 logsumexp; the backward
-(:mod:`~jflash.backends.mosaic_gpu.backward`) recomputes probabilities from
-it in a dQ kernel and a dK/dV kernel, without atomics, so reruns are
-bitwise identical.
+The forward saves the float32 logsumexp; the backward recomputes
+probabilities from it (:mod:`~jflash.backends.mosaic_gpu.backward_common`)
+in a dQ kernel (:mod:`~jflash.backends.mosaic_gpu.backward_dq`) and a dK/dV
+kernel (:mod:`~jflash.backends.mosaic_gpu.backward_dkv`), or in one fused
+kernel (:mod:`~jflash.backends.mosaic_gpu.backward_fused`), without
+atomics, so reruns are bitwise identical.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
 from jflash.backends.sharding import per_shard
-from jflash.backends.mosaic_gpu import (backward, backward_dq, backward_fused,
-                                       forward)
+from jflash.backends.mosaic_gpu import (backward_dkv, backward_dq,
+                                       backward_fused, forward, schedule)
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
                                                MaskSpec)
 from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
@@ -225,7 +227,7 @@ def _rows_metadata(mask, block_q, block_kv, pads):
   order, count = _kv_schedule(mask, 2 * block_q, block_kv, pads)
   classes = _classes(mask, block_q, block_kv, pads)
   return (order, count, _classes_per_step(classes, order),
-          masks.heaviest_first(count))
+          schedule.heaviest_first(count))
 
 
 def _keys_metadata(mask, block_q, block_kv, pads):
@@ -235,7 +237,7 @@ def _keys_metadata(mask, block_q, block_kv, pads):
   order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   return (order, count, _classes_per_step(classes, order),
-          masks.heaviest_first(count))
+          schedule.heaviest_first(count))
 
 
 def _shared_keys_metadata(mask, block_q, block_kv, pads):
@@ -247,7 +249,7 @@ def _shared_keys_metadata(mask, block_q, block_kv, pads):
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   per_step = jnp.take_along_axis(classes, order, axis=2)
   return (order, count, jnp.stack([per_step, per_step], axis=-1),
-          masks.heaviest_first(count))
+          schedule.heaviest_first(count))
 
 
 def _fused_slots(config, pads: _Padded) -> int:
@@ -266,14 +268,14 @@ def _fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
   # Nonempty query tiles in decreasing order: under a causal mask every key
   # block then starts on the last tile, and a tile's contributors come one
   # right after another.
-  order = masks.visited_in_reverse(order, count)
+  order = schedule.visited_in_reverse(order, count)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   classes = _classes_per_step(classes, order)
   visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
   visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // (2 * block_kv))
-  ranks = masks.earlier_visitors(visits, order, slots)
-  return order, count, classes, ranks, masks.visited_per_slot(visits, slots)
+  ranks = schedule.earlier_visitors(visits, order, slots)
+  return order, count, classes, ranks, schedule.visited_per_slot(visits, slots)
 
 
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
@@ -309,9 +311,7 @@ def _forward(q, k, v, mask, plan: _Plan):
       block_order=block_order,
       **_mask_inputs(mask, pads), spec=plan.spec, logits=plan.logits,
       block_q=c.block_q, block_kv=c.block_kv, stages=c.stages,
-      overlap_qk=c.overlap_qk, qk_after_pv=c.qk_after_pv,
-      chain_items=c.chain_items,
-      fma_exp2_columns=c.fma_exp2_columns, **_extents(pads))
+      qk_after_pv=c.qk_after_pv, **_extents(pads))
   return out[:, :mask.q_len, :, :plan.head_dim], lse
 
 
@@ -344,10 +344,9 @@ def _fixed_order_row_sum(x: jax.Array) -> jax.Array:
   ``[width / 32, 32]`` and halved over its first part, which adds elements
   ``i`` and ``i + width / 2`` as the one-stage tree does, but with
   neighbouring threads reading neighbouring columns; the 32 partial sums
-  per row are materialized, then halved.  Halving the whole row in one
-  fusion read each row's elements from one thread: on an H200 that took
-  0.36 ms at ``B*T = 16384, N*H = 2048`` against 0.06 ms in two stages,
-  with bitwise-equal results.
+  per row are materialized, then halved.  (Halving the whole row in one
+  fusion reads each row's elements from one thread: several times
+  slower, for the same bits.)
   """
   width = 1
   while width < x.shape[-1]:
@@ -374,8 +373,7 @@ def _row_statistics(out: jax.Array, d_out: jax.Array, lse: jax.Array,
       d_out.astype(jnp.float32) * out.astype(jnp.float32)
   ) - d_lse.astype(jnp.float32)
   # Computed in [B, T, N] order, kept apart from the transpose: fused
-  # together, XLA reads O and dO uncoalesced (0.27 ms instead of 0.05 ms at
-  # B*T = 16384, N*H = 2048 on an H200, measured with a reduction).
+  # together, XLA reads O and dO uncoalesced.
   delta = jax.lax.optimization_barrier(delta)
   delta = pad_axis(jnp.swapaxes(delta, 1, 2), 2, q_pad)
   lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
@@ -427,7 +425,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   order, count, classes, block_order = _metadata(
       _shared_keys_metadata if split_outputs else _keys_metadata, mask,
       c.block_q_dkv, c.block_kv_dkv, pads)
-  dk, dv = backward.dkv_kernel_call(
+  dk, dv = backward_dkv.dkv_kernel_call(
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
       block_order=block_order,
       block_q=c.block_q_dkv, block_kv=c.block_kv_dkv, stages=c.stages_dkv,

@@ -7,10 +7,12 @@ consumer warpgroups keep ``dQ`` of their rows in registers while a producer
 streams the row block's nonempty K/V tiles through a ring that runs on from
 one item into the next; each step recomputes ``P`` from the saved
 logsumexp, forms ``dS = P * (dO V^T - delta)`` and adds ``dS K`` (see
-:mod:`~jflash.backends.mosaic_gpu.backward`).
+:mod:`~jflash.backends.mosaic_gpu.backward_common`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -20,13 +22,32 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.backward import (_COL, _ROW, _optional,
-                                                 _probabilities,
-                                                 _score_gradient)
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
-                                               broadcast_cols, broadcast_rows)
+from jflash.backends.mosaic_gpu.backward_common import (
+    optional_inputs, probabilities, score_gradient)
+from jflash.backends.mosaic_gpu.common import (
+    COL, ROW, LogitTransform, MaskSpec, broadcast_cols, broadcast_rows)
 
 Array = jax.Array
+
+
+@common.scratch_dataclass
+class _Scratch:
+  """The dQ kernel's shared-memory buffers; None where a call needs none."""
+
+  q: Any  # [2, block_q, H]: each consumer's Q rows
+  do: Any  # [2, block_q, H]: each consumer's dO rows
+  out: Any  # [2, block_q, H]: each consumer's dQ; None: through q
+  stats: Any  # [2, 2, block_q] float32: base-2 logsumexp and delta
+  q_segments: Any  # [2, block_q] int32
+  k: Any  # [stages, block_kv, H]: the K ring
+  v: Any  # [stages, block_kv, H]: the V ring
+  kv_segments: Any  # [stages, block_kv] int32
+  q_ready: Any  # 8: per consumer Q, dO, statistics, segment ids
+  k_ready: Any  # per ring slot
+  v_ready: Any
+  kv_segments_ready: Any
+  k_free: Any  # per ring slot, both consumers arrive
+  v_free: Any
 
 
 def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
@@ -50,7 +71,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
     classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
       the tile visited at each step for each consumer's ``block_q`` rows.
     block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks (:func:`jflash.masks.heaviest_first`).
+      take query blocks
+      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`).
 
     q_pad, kv_pad: the tiled query and key extents (multiples of the
       tiles), when the arrays are shorter: their tail tiles are then read
@@ -66,7 +88,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   group = num_heads // k.shape[2]
   dtype = q.dtype
   tile = (block_q, block_kv)
-  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
 
   num_q_blocks = q_pad // (2 * block_q)
@@ -85,33 +107,29 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       block_q, block_kv, stages, head_dim, dtype, segments,
       separate_output=True) <= common.SMEM_LIMIT_BYTES
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-             class_ref, block_order_ref, *rest):
+  def setup(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+            class_ref, block_order_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
     (dq_ref,) = rest[len(names):]
     cta = lax.axis_index("ctas")
     wg = lax.axis_index("wg")
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
 
-    def body(q_smem2, do_smem2, out_smem2, stats_smem2, qseg_smem2, k_smem,
-             v_smem, kvseg_smem, q_ready, k_ready, v_ready, kvseg_ready,
-             k_free, v_free):
-      if out_smem2 is None:  # dQ leaves through Q's buffer
-        out_smem2 = q_smem2
+    def body(smem: _Scratch):
 
       def load_rows(head, b, q_block):
         """Starts the copies of this consumer's rows of an item: Q, dO, the
         row statistics and the segment ids."""
         rows = pl.ds((q_block * 2 + wg) * block_q, block_q)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem2.at[wg],
-                                q_ready.at[4 * wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem2.at[wg],
-                                q_ready.at[4 * wg + 1])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], smem.q.at[wg],
+                                smem.q_ready.at[4 * wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], smem.do.at[wg],
+                                smem.q_ready.at[4 * wg + 1])
         plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
-                                stats_smem2.at[wg], q_ready.at[4 * wg + 2])
+                                smem.stats.at[wg], smem.q_ready.at[4 * wg + 2])
         if q_seg_ref is not None:
-          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], qseg_smem2.at[wg],
-                                  q_ready.at[4 * wg + 3])
+          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], smem.q_segments.at[wg],
+                                  smem.q_ready.at[4 * wg + 3])
 
       def consume_item(head, b, q_block, first_step, next_item):
         """One consumer's dQ rows of an item whose first K/V tile sits at
@@ -128,15 +146,15 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           load_rows(head, b, q_block)
         q_seg = None
         if q_seg_ref is not None:
-          plgpu.barrier_wait(q_ready.at[4 * wg + 3])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[wg], layout=_ROW),
+          plgpu.barrier_wait(smem.q_ready.at[4 * wg + 3])
+          q_seg = broadcast_rows(plgpu.load(smem.q_segments.at[wg], layout=ROW),
                                  tile)
         for j in range(3):
-          plgpu.barrier_wait(q_ready.at[4 * wg + j])
+          plgpu.barrier_wait(smem.q_ready.at[4 * wg + j])
         lse2 = broadcast_rows(
-            plgpu.load(stats_smem2.at[wg, 0], layout=_ROW), tile)
+            plgpu.load(smem.stats.at[wg, 0], layout=ROW), tile)
         delta = broadcast_rows(
-            plgpu.load(stats_smem2.at[wg, 1], layout=_ROW), tile)
+            plgpu.load(smem.stats.at[wg, 1], layout=ROW), tile)
 
         def step_info(i):
           """Step ``i``'s tile class and key tile, read a step early: the
@@ -151,16 +169,16 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(first_step + i, common.i32(stages)) + zero
-          q_smem, do_smem = q_smem2.at[wg + zero], do_smem2.at[wg + zero]
+          q_smem, do_smem = smem.q.at[wg + zero], smem.do.at[wg + zero]
 
           def dp_product(acc_ref):
-            plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, do_smem, smem.v.at[slot].transpose((1, 0)))
             return acc_ref[...]
 
           def dp_then_free_v():
-            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(smem.v_ready.at[slot])
             dp = pl.run_scoped(dp_product, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(smem.v_free.at[slot])
             return dp
 
           # Key segment ids ride with the first stream (V when dP comes
@@ -171,18 +189,18 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           # softmax, so with V every step reads them first.
           kv_seg_cols = None
           if kv_seg_ref is not None:
-            plgpu.barrier_wait(kvseg_ready.at[slot])
+            plgpu.barrier_wait(smem.kv_segments_ready.at[slot])
             if dp_first:
-              kv_seg_cols = plgpu.load(kvseg_smem.at[slot], layout=_COL)
+              kv_seg_cols = plgpu.load(smem.kv_segments.at[slot], layout=COL)
           if dp_first:
             dp = dp_then_free_v()
-          plgpu.barrier_wait(k_ready.at[slot])
+          plgpu.barrier_wait(smem.k_ready.at[slot])
 
           def masked(s):
             kv_seg = None
             if kv_seg_ref is not None:
               cols = kv_seg_cols if dp_first else plgpu.load(
-                  kvseg_smem.at[slot], layout=_COL)
+                  smem.kv_segments.at[slot], layout=COL)
               kv_seg = broadcast_cols(cols, tile)
             return spec.mask_tile(s, row_start=q_base + zero,
                                   col_tile=kv_tile,
@@ -191,30 +209,30 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   q_seg=q_seg, kv_seg=kv_seg)
 
           def s_product(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, smem.k.at[slot].transpose((1, 0)))
 
           if overlap_sdp and not dp_first:
             # Both products issued at once; P is formed while dP is
             # computed.  (With one K/V buffer dP already comes first.)
-            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(smem.v_ready.at[slot])
 
             def products(s_ref, dp_ref):
               s_product(s_ref)
-              plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-              p, derivative = _probabilities(
+              plgpu.wgmma(dp_ref, do_smem, smem.v.at[slot].transpose((1, 0)))
+              p, derivative = probabilities(
                   plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits,
                   full, masked, lse2)
               return p, derivative, dp_ref[...]
             p, derivative, dp = pl.run_scoped(
                 products, plgpu.ACC(tile, jnp.float32),
                 plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(smem.v_free.at[slot])
           else:
             def qk_product(acc_ref):
               s_product(acc_ref)
               return acc_ref[...]
             qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-            p, derivative = _probabilities(qk, logits, full, masked, lse2)
+            p, derivative = probabilities(qk, logits, full, masked, lse2)
             if derivative is not None:
               # Only dS reads P here: fold the soft cap's derivative in
               # before dP's tile becomes live (offline ptxas: 96 bytes of
@@ -222,12 +240,12 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
               p, derivative = p * derivative, None
             if not dp_first:
               dp = dp_then_free_v()
-          ds = _score_gradient(p, dp, delta, derivative)
+          ds = score_gradient(p, dp, delta, derivative)
 
           def dq_product(acc_ref):
-            plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+            plgpu.wgmma(acc_ref, ds.astype(dtype), smem.k.at[slot])
           dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
-          plgpu.barrier_arrive(k_free.at[slot])
+          plgpu.barrier_arrive(smem.k_free.at[slot])
           return dq, following
 
         dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
@@ -240,16 +258,14 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
           pl.when(next_exists)(lambda: load_rows(*next_where))
           # The previous item's dQ copy must have read its buffer.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out_smem = out_smem2.at[wg]
+        # Without an output buffer dQ leaves through Q's.
+        out_smem = (smem.q if smem.out is None else smem.out).at[wg]
         out_smem[...] = (dq * logits.scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, rows, head])
         return first_step + count
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
+      def consumer():
         if separate_output:
           first_k, first_where = items.item_at(block_order_ref, cta, 0)
           pl.when(first_k < items.num_items)(lambda: load_rows(*first_where))
@@ -258,47 +274,40 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
         # leaves; their writes land by the end of the kernel.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
-                                action="decrease")
+      def producer():
         produce_item = common.kv_item_producer(
             order_ref, count_ref, group=group, stages=stages,
-            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
-            v=(v_ref, v_smem, v_ready, v_free),
-            segments=(kv_seg_ref, kvseg_smem, kvseg_ready), v_first=dp_first)
+            block_kv=block_kv, k=(k_ref, smem.k, smem.k_ready, smem.k_free),
+            v=(v_ref, smem.v, smem.v_ready, smem.v_free),
+            segments=(kv_seg_ref, smem.kv_segments, smem.kv_segments_ready),
+            v_first=dp_first)
         items.for_each(block_order_ref, cta, produce_item)
 
-    rows_tile = common.smem_tile((2, block_q, head_dim), dtype)
-    pl.run_scoped(
-        body,
-        rows_tile,
-        rows_tile,
-        rows_tile if separate_output else None,
-        plgpu.SMEM((2, 2, block_q), jnp.float32),
-        plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
-        plgpu.Barrier(num_barriers=8),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages) if segments else None,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
-    )
+      common.split_warpgroups(wg, consumer, producer)
+    return body
 
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(items.num_ctas,),
-      grid_names=("ctas",),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="jflash_dq",
-      compiler_params=common.COMPILER_PARAMS,
-  )(q, k, v, do, stats, kv_order, kv_count, classes, block_order, *extras)
+  rows_tile = common.smem_tile((2, block_q, head_dim), dtype)
+  scratch = _Scratch(
+      q=rows_tile, do=rows_tile,
+      out=rows_tile if separate_output else None,
+      stats=plgpu.SMEM((2, 2, block_q), jnp.float32),
+      q_segments=plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+      k=common.smem_tile((stages, block_kv, head_dim), dtype),
+      v=common.smem_tile((stages, block_kv, head_dim), dtype),
+      kv_segments=plgpu.SMEM((stages, block_kv), jnp.int32)
+      if segments else None,
+      q_ready=plgpu.Barrier(num_barriers=8),
+      k_ready=plgpu.Barrier(num_barriers=stages),
+      v_ready=plgpu.Barrier(num_barriers=stages),
+      kv_segments_ready=plgpu.Barrier(num_barriers=stages)
+      if segments else None,
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+  return common.warp_specialized_kernel(
+      setup, (q, k, v, do, stats, kv_order, kv_count, classes, block_order,
+              *extras),
+      scratch=scratch, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(items.num_ctas,), grid_names=("ctas",), kernel_name="jflash_dq")
 
 
 def _dq_smem_bytes(block_q: int, block_kv: int, stages: int, head_dim: int,

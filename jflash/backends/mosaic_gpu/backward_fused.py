@@ -1,6 +1,6 @@
 """Hopper backward in one pass: dK, dV and dQ from the dK/dV loop.
 
-The two-pass backward (:mod:`~jflash.backends.mosaic_gpu.backward`) does
+The two-pass backward (:mod:`~jflash.backends.mosaic_gpu.backward_dkv`) does
 seven tile products per visited tile, because its dQ pass recomputes ``S``
 and ``dP``.  This kernel does the five of the FlashAttention convention:
 the dK/dV loop also forms each step's dQ contribution ``dS K`` and adds it
@@ -53,6 +53,8 @@ consumer's registers at 256).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -61,17 +63,32 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.backward import (QUERY_RING_REFS, QueryRing,
-                                                 _optional,
-                                                 _score_gradient,
-                                                 query_ring_bytes,
-                                                 query_ring_scratch)
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
+from jflash.backends.mosaic_gpu.backward_common import (
+    QueryRing, optional_inputs, query_ring_bytes, query_ring_scratch,
+    score_gradient)
+from jflash.backends.mosaic_gpu.common import (ROW, LogitTransform, MaskSpec,
                                                broadcast_rows)
 
 Array = jax.Array
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+@common.scratch_dataclass
+class _Scratch:
+  """The fused backward's shared-memory buffers; None where a call needs
+  none."""
+
+  k: Any  # [2, block_kv, H]: each consumer's keys
+  v: Any  # [2, block_kv, H]: their values
+  kv_segments: Any  # [2, block_kv] int32
+  kv_ready: Any  # 6: per consumer K, V, segment ids
+  ring: QueryRing  # the streamed query tiles
+  ds: Any  # [2, 2, block_kv, block_q]: dS per turn and consumer
+  dq: Any  # [stagings, block_q, H] float32: dQ contributions on their way
+  ds_ready: Any  # per turn, both consumers arrive
+  ds_free: Any  # per turn
+  dq_ready: Any  # per staging buffer
+  dq_free: Any
 
 
 def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
@@ -94,11 +111,12 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       that see nothing) and ``delta``.
     q_order, q_count, classes: the dK/dV schedule at ``2 * block_kv`` keys
       per CTA, as for
-      :func:`~jflash.backends.mosaic_gpu.backward.dkv_kernel_call`.
+      :func:`~jflash.backends.mosaic_gpu.backward_dkv.dkv_kernel_call`.
     ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
       ``q_order``, how many key blocks before this one and of the same
-      accumulator (:func:`jflash.masks.earlier_visitors` with ``slots``)
-      visit the same query tile.
+      accumulator visit the same query tile
+      (:func:`~jflash.backends.mosaic_gpu.schedule.earlier_visitors` with
+      ``slots``).
     slots: the number of dQ accumulators.
     q_pad, kv_pad: the tiled query and key extents (multiples of the
       tiles), when the arrays are shorter: their tail tiles are then read
@@ -125,7 +143,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
   num_q_tiles = q_pad // block_q
   dtype = q.dtype
   tile = (block_kv, block_q)  # transposed: keys are the rows here
-  names, extras = _optional(q_lengths=q_lengths, kv_lengths=kv_lengths,
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
                             q_segments=q_segments, kv_segments=kv_segments)
   # One dQ staging buffer per consumer where they fit (step i's
   # contribution comes from consumer i % 2), else one for both.
@@ -136,8 +154,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
   def staging_of(i):
     return lax.rem(i, common.i32(2)) if stagings == 2 else 0
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-             class_ref, rank_ref, *rest):
+  def setup(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
+            class_ref, rank_ref, *rest):
     named = dict(zip(names, rest[:len(names)]))
     dq_ref, dk_ref, dv_ref = rest[len(names):]
     b = lax.axis_index("batch")
@@ -158,33 +176,28 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       # Step i visits query head kv_head * group + i // count, tile i % count.
       return kv_head * group + lax.div(i, count), tile_at(lax.rem(i, count))
 
-    def body(k_smem2, v_smem2, kvseg_smem2, kv_ready, *rest):
-      ring = QueryRing(*rest[:QUERY_RING_REFS])
-      (ds_smem, dq_smem, ds_ready, ds_free, dq_ready,
-       dq_free) = rest[QUERY_RING_REFS:]
+    def body(smem: _Scratch):
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
+      def consumer():
         kv_base = (kv_block * 2 + wg) * block_kv
         rows = pl.ds(kv_base, block_kv)
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        k_smem, v_smem = smem.k.at[wg], smem.v.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smem,
-                                kv_ready.at[3 * wg])
+                                smem.kv_ready.at[3 * wg])
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smem,
-                                kv_ready.at[3 * wg + 1])
+                                smem.kv_ready.at[3 * wg + 1])
         kv_seg = None
         if kv_seg_ref is not None:
-          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows], kvseg_smem2.at[wg],
-                                  kv_ready.at[3 * wg + 2])
-          plgpu.barrier_wait(kv_ready.at[3 * wg + 2])
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, rows],
+                                  smem.kv_segments.at[wg],
+                                  smem.kv_ready.at[3 * wg + 2])
+          plgpu.barrier_wait(smem.kv_ready.at[3 * wg + 2])
           kv_seg = broadcast_rows(
-              plgpu.load(kvseg_smem2.at[wg], layout=_ROW), tile)
-        plgpu.barrier_wait(kv_ready.at[3 * wg])
-        plgpu.barrier_wait(kv_ready.at[3 * wg + 1])
+              plgpu.load(smem.kv_segments.at[wg], layout=ROW), tile)
+        plgpu.barrier_wait(smem.kv_ready.at[3 * wg])
+        plgpu.barrier_wait(smem.kv_ready.at[3 * wg + 1])
         # The dQ products read both consumers' K tiles.
-        plgpu.barrier_wait(kv_ready.at[3 * (1 - wg)])
+        plgpu.barrier_wait(smem.kv_ready.at[3 * (1 - wg)])
 
         def step(i, carry):
           (dk, dv), step_class = carry
@@ -195,7 +208,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           full = step_class == masks.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(i, common.i32(stages)) + zero
-          k_smem, v_smem = k_smem2.at[wg + zero], v_smem2.at[wg + zero]
+          k_smem, v_smem = smem.k.at[wg + zero], smem.v.at[wg + zero]
           # dS slot, and the consumer that forms this step's dQ product.
           turn = lax.rem(i, common.i32(2))
 
@@ -209,69 +222,69 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             # The dS slot is free once the dQ product of step i - 2 read it.
             @pl.when(i >= 2)
             def _():
-              plgpu.barrier_wait(ds_free.at[turn])
+              plgpu.barrier_wait(smem.ds_free.at[turn])
 
           def stage_ds(ds_low):
-            ds_smem.at[turn, wg][...] = ds_low
+            smem.ds.at[turn, wg][...] = ds_low
 
           if logits.soft_cap is not None and not overlap_sdp:
             # dV's product first, as in the two-pass dK/dV kernel.
-            p, derivative = ring.probabilities(
+            p, derivative = smem.ring.probabilities(
                 slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
                 mask=mask)
             wait_ds_slot()
-            dv, dk = ring.dv_first_products(
+            dv, dk = smem.ring.dv_first_products(
                 slot, p, derivative, v_smem=v_smem, tile=tile, dtype=dtype,
                 dv=dv, dk=dk, ds_sink=stage_ds)
           else:
-            p, derivative, dp, delta = ring.scores(
+            p, derivative, dp, delta = smem.ring.scores(
                 slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
                 full=full, mask=mask, want_dp=True, together=overlap_sdp)
-            ds = _score_gradient(p, dp, delta, derivative)
+            ds = score_gradient(p, dp, delta, derivative)
             wait_ds_slot()
 
             def dv_dk_products(refs):
               dv_ref, dk_ref = refs
-              plgpu.wgmma(dv_ref, p.astype(dtype), ring.do.at[slot])
+              plgpu.wgmma(dv_ref, p.astype(dtype), smem.ring.do.at[slot])
               ds_low = ds.astype(dtype)
               stage_ds(ds_low)
-              plgpu.wgmma(dk_ref, ds_low, ring.q.at[slot])
+              plgpu.wgmma(dk_ref, ds_low, smem.ring.q.at[slot])
             dv, dk = pl.run_state(dv_dk_products)(
                 (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           plgpu.commit_smem()
-          plgpu.barrier_arrive(ds_ready.at[turn])
-          plgpu.barrier_arrive(ring.do_free.at[slot])
-          plgpu.barrier_arrive(ring.q_free.at[slot])
+          plgpu.barrier_arrive(smem.ds_ready.at[turn])
+          plgpu.barrier_arrive(smem.ring.do_free.at[slot])
+          plgpu.barrier_arrive(smem.ring.q_free.at[slot])
 
           if stagings == 1:
             # Both consumers wait for the writer to release the staging
             # buffer, so that each sees every phase of the barrier.
             @pl.when(i >= 1)
             def _():
-              plgpu.barrier_wait(dq_free.at[0])
+              plgpu.barrier_wait(smem.dq_free.at[0])
 
           @pl.when(wg == turn)
           def _dq_contribution():
-            plgpu.barrier_wait(ds_ready.at[turn])
+            plgpu.barrier_wait(smem.ds_ready.at[turn])
 
             def dq_product(acc_ref):
               for w in range(2):
-                plgpu.wgmma(acc_ref, ds_smem.at[turn, w].transpose((1, 0)),
-                            k_smem2.at[w + zero])
+                plgpu.wgmma(acc_ref, smem.ds.at[turn, w].transpose((1, 0)),
+                            smem.k.at[w + zero])
               return acc_ref[...]
             contribution = pl.run_scoped(
                 dq_product, plgpu.ACC((block_q, head_dim), jnp.float32))
-            plgpu.barrier_arrive(ds_free.at[turn])
+            plgpu.barrier_arrive(smem.ds_free.at[turn])
             staging = staging_of(i)
             if stagings == 2:
               # This consumer's own buffer, last filled two steps ago: only
               # it waits for the writer to have read it.
               @pl.when(i >= 2)
               def _():
-                plgpu.barrier_wait(dq_free.at[staging])
-            dq_smem.at[staging][...] = contribution
+                plgpu.barrier_wait(smem.dq_free.at[staging])
+            smem.dq.at[staging][...] = contribution
             plgpu.commit_smem()
-            plgpu.barrier_arrive(dq_ready.at[staging])
+            plgpu.barrier_arrive(smem.dq_ready.at[staging])
           return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
@@ -284,7 +297,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         for back in (1, 2):
           @pl.when(steps >= back)
           def _():
-            plgpu.barrier_wait(ds_free.at[lax.rem(steps - back, common.i32(2))])
+            plgpu.barrier_wait(
+                smem.ds_free.at[lax.rem(steps - back, common.i32(2))])
         k_smem[...] = (dk * logits.scale).astype(dtype)
         v_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -308,22 +322,22 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           rank = rank_ref[b, kv_block, lax.rem(i, count)]
           target = dq_ref.at[acc_row, pl.ds(q_tile * block_q, block_q), head]
           staging = staging_of(i)
-          plgpu.barrier_wait(dq_ready.at[staging])
+          plgpu.barrier_wait(smem.dq_ready.at[staging])
           plgpu.semaphore_wait(turn_of(i), rank, decrement=False,
                                memory_scope="gpu")
 
           @pl.when(rank == 0)
           def _():
-            plgpu.copy_smem_to_gmem(dq_smem.at[staging], target)
+            plgpu.copy_smem_to_gmem(smem.dq.at[staging], target)
 
           @pl.when(rank > 0)
           def _():
-            plgpu.copy_smem_to_gmem(dq_smem.at[staging], target,
+            plgpu.copy_smem_to_gmem(smem.dq.at[staging], target,
                                     reduction_op="add")
           # The staging buffer is free once read; the consumers go on while
           # the add travels to global memory.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          plgpu.barrier_arrive(dq_free.at[staging])
+          plgpu.barrier_arrive(smem.dq_free.at[staging])
 
           # The previous step's add is complete once at most this one is in
           # flight: only then may the next key block add to its tile.
@@ -337,51 +351,44 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           plgpu.wait_smem_to_gmem(0)
           plgpu.semaphore_signal(turn_of(steps - 1), 1, memory_scope="gpu")
 
-      @pl.when(wg == 2)
-      def _producer_and_writer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+      def producer_and_writer():
 
         @plgpu.warp_map
         def _per_warp(warp):
           @pl.when(warp == 0)
           def _():
-            ring.stream(steps, head_and_tile, stages=stages, block_q=block_q,
-                        b=b, q_ref=q_ref, do_ref=do_ref, stats_ref=stats_ref,
-                        q_seg_ref=q_seg_ref)
+            smem.ring.stream(steps, head_and_tile, stages=stages,
+                             block_q=block_q, b=b, q_ref=q_ref, do_ref=do_ref,
+                             stats_ref=stats_ref, q_seg_ref=q_seg_ref)
 
           pl.when(warp == 1)(write_dq)
 
-    segments = spec.has_segments
-    pl.run_scoped(
-        body,
-        common.smem_tile((2, block_kv, head_dim), dtype),
-        common.smem_tile((2, block_kv, head_dim), dtype),
-        plgpu.SMEM((2, block_kv), jnp.int32) if segments else None,
-        plgpu.Barrier(num_barriers=6),
-        *query_ring_scratch(stages, block_q, head_dim, dtype, segments),
-        common.smem_tile((2, 2, block_kv, block_q), dtype),
-        plgpu.SMEM((stagings, block_q, head_dim), jnp.float32,
-                   transforms=(common.F32_TILING, common.SWIZZLE)),
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=stagings),
-        plgpu.Barrier(num_barriers=stagings),
-        collective_axes="wg",
-    )
+      common.split_warpgroups(wg, consumer, producer_and_writer)
+    return body
 
+  segments = spec.has_segments
+  scratch = _Scratch(
+      k=common.smem_tile((2, block_kv, head_dim), dtype),
+      v=common.smem_tile((2, block_kv, head_dim), dtype),
+      kv_segments=plgpu.SMEM((2, block_kv), jnp.int32) if segments else None,
+      kv_ready=plgpu.Barrier(num_barriers=6),
+      ring=query_ring_scratch(stages, block_q, head_dim, dtype, segments),
+      ds=common.smem_tile((2, 2, block_kv, block_q), dtype),
+      dq=plgpu.SMEM((stagings, block_q, head_dim), jnp.float32,
+                    transforms=(common.F32_TILING, common.SWIZZLE)),
+      ds_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      ds_free=plgpu.Barrier(num_barriers=2),
+      dq_ready=plgpu.Barrier(num_barriers=stagings),
+      dq_free=plgpu.Barrier(num_barriers=stagings))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   dq_type = jax.ShapeDtypeStruct((slots * batch, q_pad) + q.shape[2:],
                                  jnp.float32)
-  return plgpu.kernel(
-      kernel,
-      out_type=(dq_type, kv_type, kv_type),
+  return common.warp_specialized_kernel(
+      setup, (q, k, v, do, stats, q_order, q_count, classes, ranks, *extras),
+      scratch=scratch, out_type=(dq_type, kv_type, kv_type),
       grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
       grid_names=("heads", "kv_seq", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="jflash_fused_backward",
-      compiler_params=common.COMPILER_PARAMS,
-  )(q, k, v, do, stats, q_order, q_count, classes, ranks, *extras)
+      kernel_name="jflash_fused_backward")
 
 
 def _fused_smem_bytes(block_q: int, block_kv: int, stages: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -45,51 +46,6 @@ def smem_bytes(*buffers: int) -> int:
   each rounded up to the 1 KiB that swizzled tiles align to: small
   buffers, such as segment ids, leave gaps that a plain sum misses."""
   return sum(-(-n // 1024) * 1024 for n in buffers)
-
-# 2**f = 1 + f (c1 + f (c2 + f c3)) on [-1/2, 1/2], fitted for the least
-# largest relative error with the constant term exactly 1, so that
-# exp2_on_fma(-inf) is exactly 0: at most 1.02e-4, against bfloat16's
-# rounding of P (up to 2e-3).
-_EXP2_COEFFS = (0.6932828212811846, 0.24220930265269397, 0.05500821615854732)
-# Adding 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to an
-# integer, which the sum's low mantissa bits then hold in two's complement.
-_ROUNDING_SHIFT = 12582912.0
-
-
-def exp2_on_fma(x: Array) -> Array:
-  """``2 ** x`` for float32 ``x <= 0`` (or ``-inf``, giving exactly 0;
-  ``NaN`` gives a meaningless number) on the FMA and integer units, not
-  the special-function unit: ``x = n + f`` with ``n`` an integer and
-  ``|f| <= 1/2``, a cubic for ``2 ** f``, and ``n`` added to its
-  exponent bits.  Nine instructions per element where ``jnp.exp2`` is one
-  MUFU instruction: worth it on a share of a tile whose softmax waits on
-  the MUFU unit (head dim 64, where a step's exponentials take about as
-  long as its products).  Relative error at most 1.02e-4 (down to
-  ``2 ** -126``; below it, denormals)."""
-  x = jnp.maximum(x, -127.0)
-  shifted = x + _ROUNDING_SHIFT
-  n = shifted - _ROUNDING_SHIFT  # round(x)
-  f = x - n
-  c1, c2, c3 = _EXP2_COEFFS
-  poly = ((c3 * f + c2) * f + c1) * f + 1.0
-  bits = (lax.bitcast_convert_type(poly, jnp.int32)
-          + lax.shift_left(lax.bitcast_convert_type(shifted, jnp.int32),
-                           23))
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def exp2_split(x: Array, emulated_columns: int) -> Array:
-  """``2 ** x`` of a ``[rows, cols]`` WGMMA-layout tile: the last
-  ``emulated_columns`` columns (a multiple of 8) by :func:`exp2_on_fma`,
-  the rest by the special-function unit."""
-  if not emulated_columns:
-    return jnp.exp2(x)
-  cols = x.shape[1]
-  if emulated_columns >= cols:
-    return exp2_on_fma(x)
-  return jnp.concatenate([jnp.exp2(x[:, :cols - emulated_columns]),
-                          exp2_on_fma(x[:, cols - emulated_columns:])],
-                         axis=1)
 
 
 # Row reductions of WGMMA-layout tiles stay inside a warp (a row lives in
@@ -136,13 +92,17 @@ def loop_variant_zero(tile_class: Array) -> Array:
   64-bit descriptor of a loop-invariant operand (Q and dO in the dQ pass,
   K and V in the dK/dV pass) out of the loop, and at head dims 128 and 256
   the registers they hold spill next to the accumulators.  The forward,
-  whose registers leave room for them, keeps constant indices (on an H200
-  the loop-variant form there measured 1-4% slower).  Added to a backward
+  whose registers leave room for them, keeps constant indices (faster
+  there).  Added to a backward
   mask's first row, it likewise keeps the per-element row indices from
   being hoisted and spilled.
   """
   return jnp.minimum(tile_class, 0)
 
+
+# Register layouts of a WGMMA tile's row and column vectors.
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
 
 TILING = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)
@@ -327,8 +287,9 @@ class PersistentItems:
   """The work of a persistent kernel: one CTA per SM (at most one per item),
   each looping over its share of the items ``(head, batch row, block)``.
 
-  Items go longest first: row blocks in a :func:`jflash.masks.heaviest_first`
-  order (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
+  Items go longest first: row blocks in the order of
+  :func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`
+  (``block_order_ref``, ``[B * blocks_per_row]``), the heads of one
   row block together.  Pass ``n`` deals ``num_ctas`` items to the CTAs,
   forwards when ``n`` is even and backwards when odd, so that every CTA
   gets a like share of long and short items.
@@ -381,6 +342,51 @@ class PersistentItems:
           lambda: carry)
     lax.fori_loop(0, self.passes, one,
                   jnp.int32(0) if init is None else init)
+
+
+def warp_specialized_kernel(setup: Callable, args, *, scratch, out_type,
+                            grid: tuple[int, ...],
+                            grid_names: tuple[str, ...], kernel_name: str):
+  """The skeleton of the Hopper kernels: three warpgroups per CTA (two
+  consumers and a producer, :func:`split_warpgroups`) sharing the
+  shared-memory buffers ``scratch``.
+
+  ``setup(*refs)`` gets the global-memory refs of ``args`` and the outputs
+  (in that order) and returns ``body(scratch_refs)``, which runs with
+  ``scratch`` (a pytree of ``plgpu.SMEM`` and ``plgpu.Barrier``, e.g. a
+  dataclass of named buffers) allocated once for all warpgroups.
+  """
+  def kernel(*refs):
+    pl.run_scoped(setup(*refs), scratch, collective_axes="wg")
+  return plgpu.kernel(
+      kernel, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=3, thread_name="wg", kernel_name=kernel_name,
+      compiler_params=COMPILER_PARAMS)(*args)
+
+
+def split_warpgroups(wg: Array, consumer: Callable[[], None],
+                     producer: Callable[[], None]) -> None:
+  """``consumer()`` on warpgroups 0 and 1 and ``producer()`` on warpgroup
+  2, each after moving registers to the consumers (``setmaxnreg``:
+  :data:`CONSUMER_REGISTERS` and :data:`PRODUCER_REGISTERS`)."""
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consumer()
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    producer()
+
+
+def scratch_dataclass(cls):
+  """A frozen dataclass of named kernel buffers, registered as a pytree
+  (its fields, in order, are the leaves; a None field allocates
+  nothing), so that :func:`warp_specialized_kernel` allocates it and the
+  kernel body reads its buffers by name."""
+  return jax.tree_util.register_dataclass(
+      dataclasses.dataclass(frozen=True)(cls))
 
 
 def schedule_row(order_ref, count_ref, batch_index, block_index):

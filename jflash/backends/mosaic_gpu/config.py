@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
-_SWITCHES = ("overlap_qk", "fuse_dq", "overlap_sdp", "qk_after_pv",
-             "chain_items")
+_SWITCHES = ("fuse_dq", "overlap_sdp", "qk_after_pv")
 # Fields read only with fuse_dq=True, and only with fuse_dq=False.
 _FUSED_ONLY = ("dq_slots",)
 _DQ_PASS_ONLY = ("block_q_dq", "block_kv_dq", "stages_dq")
-# Read only with overlap_qk=False.
-_PLAIN_FORWARD_ONLY = ("qk_after_pv", "chain_items")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,29 +37,10 @@ class MosaicGpuConfig:
     stages_dq, stages_dkv: ring depths of the dQ and dK/dV passes (at
       least 1; 1 loads the next tile only after the current one is
       consumed).
-    overlap_qk: issue each forward step's ``Q K^T`` together with the
-      previous step's ``P V``, so that a consumer's softmax overlaps its own
-      matrix products as well as the other consumer's (FlashAttention-3's
-      intra-warpgroup pipelining).
-    qk_after_pv: in the forward without ``overlap_qk``, issue each step's
+    qk_after_pv: in the forward, issue each step's
       next ``Q K^T`` right behind its ``P V`` within the consumer's turn
       and wait for both together, so that the tensor cores do not drain
       between the two; off, ``Q K^T`` is issued once ``P V`` has finished.
-      Only read with ``overlap_qk=False``.
-    chain_items: with ``qk_after_pv``, each item's last turn also issues
-      the next item's first ``Q K^T``, so that the tensor cores have work
-      queued while the consumer normalizes and writes the item's output
-      (the gap between items, which short rows and windows pay once per
-      few steps).  Each consumer's Q and output buffers then alternate
-      roles item by item.  Needs ``qk_after_pv=True`` and room in shared
-      memory for the separate output buffer (not at head dim 256).
-    fma_exp2_columns: of each forward key tile's columns, how many (a
-      multiple of 8; a value of at least the tile's width, which short
-      sequences narrow, means all of them) take their exponentials on the
-      FMA units (a cubic and an exponent add, relative error at most
-      1.02e-4, against bfloat16's 2e-3 rounding of the probabilities)
-      instead of the special-function unit, whose throughput bounds the
-      softmax at head dim 64.  0 (the default) uses that unit for all.
     fuse_dq: form dQ inside the dK/dV pass, adding each key block's
       contribution into a float32 accumulator in a fixed order
       (:mod:`~jflash.backends.mosaic_gpu.backward_fused`): five tile
@@ -92,13 +70,10 @@ class MosaicGpuConfig:
   block_kv_dkv: int | None = None
   stages_dq: int | None = None
   stages_dkv: int | None = None
-  overlap_qk: bool | None = None
   fuse_dq: bool | None = None
   dq_slots: int | None = None
   overlap_sdp: bool | None = None
   qk_after_pv: bool | None = None
-  chain_items: bool | None = None
-  fma_exp2_columns: int | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -113,11 +88,7 @@ class MosaicGpuConfig:
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"MosaicGpuConfig.{field.name} must be an int or "
                          f"None, got {value!r}")
-      if field.name == "fma_exp2_columns":
-        if value < 0 or value % 8:
-          raise ValueError(f"MosaicGpuConfig.fma_exp2_columns must be a "
-                           f"non-negative multiple of 8, got {value}")
-      elif field.name == "dq_slots":
+      if field.name == "dq_slots":
         if value < 1:
           raise ValueError(f"MosaicGpuConfig.dq_slots must be at least 1, "
                            f"got {value}")
@@ -169,13 +140,6 @@ class MosaicGpuConfig:
       raise ValueError("MosaicGpuConfig.overlap_sdp needs stages_dq of at "
                        "least 2, got stages_dq=1 (a one-buffer dQ pass "
                        "computes dP before S)")
-    if config.chain_items and not config.qk_after_pv:
-      raise ValueError("MosaicGpuConfig.chain_items=True chains the "
-                       "qk_after_pv loop across items: it needs "
-                       "qk_after_pv=True, got qk_after_pv=False"
-                       + (" (the default here: off at head dims 64 and 256 "
-                          "and with segment ids or a soft cap; set it "
-                          "explicitly)" if self.qk_after_pv is None else ""))
     if config.fuse_dq and padded_head_dim(head_dim) > 128:
       raise ValueError(f"MosaicGpuConfig.fuse_dq serves head dims up to 128, "
                        f"got head dim {head_dim}")
@@ -185,69 +149,42 @@ class MosaicGpuConfig:
     # with the table's value or the one a rule gives at this length.)
     table = tuned_config(head_dim, kv_len)
     unused = _FUSED_ONLY if not config.fuse_dq else _DQ_PASS_ONLY
-    if config.overlap_qk:
-      unused += _PLAIN_FORWARD_ONLY
     for name in unused:
       if getattr(self, name) not in (None, getattr(base, name),
                                      getattr(table, name)):
         raise ValueError(
             f"MosaicGpuConfig.{name}={getattr(self, name)!r} has no effect "
-            + (f"with overlap_qk=True: it sets the forward's plain loop, "
-               f"which overlap_qk replaces" if name in _PLAIN_FORWARD_ONLY
-               else f"with fuse_dq={config.fuse_dq}: "
-               + ("it sets the fused backward, which fuse_dq=True selects"
-                  if not config.fuse_dq else
-                  "it sets the separate dQ pass, which the fused backward "
-                  "replaces")))
+            + f"with fuse_dq={config.fuse_dq}: "
+            + ("it sets the fused backward, which fuse_dq=True selects"
+               if not config.fuse_dq else
+               "it sets the separate dQ pass, which the fused backward "
+               "replaces"))
     return config
 
 
-# Per padded head dim; from benchmarks/tune_mosaic_gpu.py on an H200 (see
-# docs/performance.md).  Shared memory bounds the forward ring: Q takes
-# 2 * block_q * H * 2 bytes, each stage 2 * block_kv * H * 2 bytes, out of
-# 227 KiB.
+# Per padded head dim, from benchmarks/tune_mosaic_gpu.py (the measurements
+# behind each default: benchmarks/results/mosaic-gpu-defaults/README.md).
+# Shared memory bounds the forward ring: Q takes 2 * block_q * H * 2 bytes,
+# each stage 2 * block_kv * H * 2 bytes, out of 227 KiB.
 _DEFAULTS = {
-    # qk_after_pv at head dim 128: on an H200, timed in one run against the
-    # waiting loop (benchmarks/results/2026-12-02-h200-qk-after-pv), forward
-    # +1% to +4% from 4096 keys (S=16384 569 -> 574, causal 570 -> 595,
-    # 1024-key window 446 -> 456; S=4096 540 -> 559, causal 507 -> 523),
-    # even at 1024 keys (501 -> 496, 343 -> 345); with 8 packed segments
-    # per row it lost 8% (451 -> 414), so segment ids keep the waiting loop,
-    # as does a soft cap, which it has not been timed with.  At head dim 64,
-    # with the 256-key tile, S of the next step, P and O in flight at once
-    # exceed the registers and ptxas serializes the loop's wgmma (its note
-    # C7512); a 128-key tile fits but lost 5% to 9% forward at S=4096.
+    # qk_after_pv at head dim 128 only: at 64 the 256-key tile leaves no
+    # registers for S, P and O in flight at once (ptxas serializes wgmma).
     64: MosaicGpuConfig(block_q=64, block_kv=256, stages=3, block_q_dq=64,
                         block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                        stages_dq=2, stages_dkv=2, overlap_qk=False,
+                        stages_dq=2, stages_dkv=2,
                         fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                        qk_after_pv=False, chain_items=False,
-                        fma_exp2_columns=0),
+                        qk_after_pv=False),
     128: MosaicGpuConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                          block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=2, stages_dkv=2, overlap_qk=False,
+                         stages_dq=2, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=True,
-                         qk_after_pv=True, chain_items=False,
-                         fma_exp2_columns=0),
+                         qk_after_pv=True),
     256: MosaicGpuConfig(block_q=64, block_kv=64, stages=2, block_q_dq=64,
                          block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
-                         stages_dq=1, stages_dkv=2, overlap_qk=False,
+                         stages_dq=1, stages_dkv=2,
                          fuse_dq=False, dq_slots=4, overlap_sdp=False,
-                         qk_after_pv=False, chain_items=False,
-                         fma_exp2_columns=0),
+                         qk_after_pv=False),
 }
-
-
-# Per padded head dim, fields that differ from the row above for shorter
-# sequences: ``(max_kv_len, fields)`` entries in increasing ``max_kv_len``;
-# the first entry with ``kv_len <= max_kv_len`` applies.  Printed by
-# benchmarks/tune_mosaic_gpu.py when it is given several lengths (a length
-# tuned at S covers the keys up to the geometric mean of S and the next
-# tuned length).  Empty: no length has yet had a winner over the row above
-# on both masks by the tuner's margin (tuned on an H200: S=1024 at head
-# dim 128, every candidate within 1% or slower; see docs/performance.md).
-_BY_LENGTH: dict[int, tuple[tuple[int, dict], ...]] = {64: (), 128: (),
-                                                        256: ()}
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -259,64 +196,20 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 # Feature rules, per padded head dim: key tiles narrowed so that the
-# kernels keep their tiles in registers.  A soft cap kept its derivative
-# tile live through the dQ step, which spilled at a 128-key dQ tile
-# (offline ptxas: 256 bytes at head dim 128, 96 at 64) and not at 64; on
-# an H200 the 64-key tile gained 5% fwd+bwd at head dim 128 and lost 1% at
-# 64, which keeps 128.  The dQ pass now folds the derivative into P before
-# dP, and a 128-key tile no longer spills at head dim 128 (offline); the
-# rule stays until the wider tile is timed against it.  Segment ids of a
-# 256-key forward tile take 64 registers per thread, spilling 292 bytes at
-# head dim 64 (128-key tiles: +12% forward there).
+# kernels keep their tiles in registers (a soft cap's derivative tile in the
+# dQ step; segment ids of a 256-key forward tile spill at head dim 64).
 _SOFT_CAP_MAX_BLOCK_KV_DQ = {64: 128, 128: 64, 256: 64}
 _SEGMENTS_MAX_BLOCK_KV = {64: 128, 128: 256, 256: 256}
-# overlap_sdp is in the table at head dims 64 and 128: on an H200, timed
-# interleaved with the plain order in one run (benchmarks.grid), fwd+bwd
-# +1% to +5% on every two-pass cell (S=4096 446 -> 463 TFLOP/s, S=16384
-# causal 489 -> 501, 1024-key window 387 -> 401, H=64 S=1024 302 -> 318)
-# and even on the fused one; with 8 packed segments per row it lost 7%
-# (428 -> 397), so segment ids keep the plain order, as does a soft cap,
-# whose derivative tile it has not been timed with.
+# overlap_sdp is off with segment ids (slower there) and with a soft cap
+# (whose derivative tile needs the registers).
 
 # The fused backward (five tile products instead of seven) pays for itself
 # once every query sees many keys, so that the fixed-order dQ accumulation
-# rarely makes a CTA wait.  On an H200 at head dim 128 without a mask:
-# +5.6% fwd+bwd at 16384 keys; at 4096 +4% in one call (507 against 486
-# TFLOP/s) and +6% in another, A B A B (497.9, 496.2 against 463.8,
-# 469.3); -12% at 1024.  One dQ accumulator: at 16384
-# keys one, two and four ran at the same speed there (525.0, 530.9, 527.6
-# TFLOP/s), and each takes 4 bytes per element of Q (four broke the linear
-# memory bound at 131072 keys).  A mask whose visible keys move with the
-# query keeps the two-pass backward: causal at 16384 keys the fused kernel
-# ran at 387 TFLOP/s with one accumulator against 492 two-pass and 514
-# with four accumulators (likely a wavefront: each key block starts at its
-# diagonal query block, after the block before it); a 1024-key window lost
-# 9% even with four; at head dim 64 it lost 6% (4096 causal).  Soft caps
-# and segment ids are unmeasured with it and keep the two-pass backward.
-# At head dim 64 the fused kernel with the default 64-query dK/dV tile lost
-# 19% to 23%.  With 128 queries per step (the dQ hand-off amortized over
-# twice the products) and S and dP issued one after the other (together
-# they spill 320 bytes there), on an H200 in one call each
-# (benchmarks/results/2026-12-03-h200-lazy-rescale-h64-fused), fwd+bwd
-# TFLOP/s against the two-pass backward: one accumulator 384.9 and 397.8
-# against 384.9 and 395.1 (S=4096, S=16384); two 431.5 and 453.0, four
-# 423.4 and 452.6 against 385.2 and 396.0.  Two accumulators take
-# 8 * B * T * N * H bytes.
-# Under a causal mask without a window, each key block's first query
-# block is its diagonal one, so with one accumulator the key blocks wait
-# on each other in a wavefront; more accumulators break it up.  On an H200
-# (benchmarks/results/2026-12-03-h200-fused-causal), A B A B in one call,
-# fwd+bwd TFLOP/s against the two-pass backward: head dim 64 with the
-# 128-query tiles and four accumulators 360.8 / 363.7 against 333.1 /
-# 331.6 (S=4096 causal) and 441.4 / 439.5 against 396.4 / 396.8
-# (S=16384 causal; two accumulators lost 11% and 14-15%); head dim 128 with
-# two accumulators 443.7 / 442.3 against 426.8 / 425.8 and 518.4 / 515.1
-# against 500.5 / 502.4 (four: 428.2 / 437.3 and 517.5 / 513.0).  A
-# 1024-key window lost 9% with two and 19% with four and keeps the
-# two-pass backward.  The accumulators take 4 * dq_slots bytes per element
-# of Q, as much as Q, K, V, O, dO and the gradients together at four;
-# above 32768 keys the two-pass backward keeps the peak memory of long
-# sequences near that of the tensors themselves.
+# rarely makes a CTA wait; masks whose visible keys move with the query
+# (windows; causal beyond 32768 keys, where the accumulators' memory
+# grows) keep the two-pass backward, as do the unmeasured soft caps and
+# segment ids.  Under a causal mask the key blocks wait on each other in
+# a wavefront with one accumulator: more accumulators break it up.
 # Without and with a causal mask, per padded head dim: (fewest keys, most
 # keys or None, fields set with fuse_dq), or None.
 _FUSED_RULES: dict[bool, dict[int, tuple[int, int | None, dict] | None]] = {
@@ -334,14 +227,12 @@ _FUSED_RULES: dict[bool, dict[int, tuple[int, int | None, dict] | None]] = {
 def tuned_config(head_dim: int, kv_len: int | None = None
                  ) -> MosaicGpuConfig:
   """The tuned table alone for a head dim (padded to 64, 128 or 256): its
-  row, the per-length entry covering ``kv_len`` when given
-  (``_BY_LENGTH``: the first entry whose ``max_kv_len`` covers ``kv_len``
-  replaces its fields), and the narrowing of key tiles to ``kv_len``
-  (see :func:`default_config`).  This is what
+  row with the narrowing of key tiles to ``kv_len`` when given (see
+  :func:`default_config`).  This is what
   ``benchmarks/tune_mosaic_gpu.py`` starts from and prints; the measured
   rules of :func:`default_config` come on top."""
   padded = padded_head_dim(head_dim)
-  return _narrowed(_table(padded, kv_len), kv_len, {})
+  return _narrowed(_DEFAULTS[padded], kv_len, {})
 
 
 def default_config(head_dim: int, kv_len: int | None = None, *,
@@ -373,7 +264,7 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
     pass's tile a divisor of the padded length.
   """
   padded = padded_head_dim(head_dim)
-  config = _table(padded, kv_len)
+  config = _DEFAULTS[padded]
   rule = _FUSED_RULES[bool(causal)][padded]
   if (kv_len is not None and rule is not None and not (soft_cap or segments)
       and window is None and kv_len >= rule[0]
@@ -390,16 +281,6 @@ def default_config(head_dim: int, kv_len: int | None = None, *,
   if segments:
     widest["block_kv"] = _SEGMENTS_MAX_BLOCK_KV[padded]
   return _narrowed(config, kv_len, widest)
-
-
-def _table(padded: int, kv_len: int | None) -> MosaicGpuConfig:
-  """The head dim's row with the per-length entry covering ``kv_len``."""
-  config = _DEFAULTS[padded]
-  if kv_len is not None:
-    for max_kv_len, fields in _BY_LENGTH[padded]:
-      if kv_len <= max_kv_len:
-        return dataclasses.replace(config, **fields)
-  return config
 
 
 def _narrowed(config: MosaicGpuConfig, kv_len: int | None,

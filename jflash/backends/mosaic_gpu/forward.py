@@ -26,6 +26,8 @@ warpgroup's half of the rows only) apply it.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -35,17 +37,320 @@ from jax import lax
 
 from jflash import masks
 from jflash.backends.mosaic_gpu import common
-from jflash.backends.mosaic_gpu.common import (LogitTransform, MaskSpec,
-                                               broadcast_cols, broadcast_rows)
+from jflash.backends.mosaic_gpu.common import (
+    COL, ROW, LogitTransform, MaskSpec, broadcast_cols, broadcast_rows)
 
 Array = jax.Array
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
 # Named regions of the kernel: spans in a Mosaic GPU profile (compiler
 # params with profile_space, as tools/forward_trace.py sets them), and
 # nothing otherwise.
 _region = jax.named_scope
+
+
+@common.scratch_dataclass
+class _Scratch:
+  """The forward's shared-memory buffers; None where a call needs none."""
+
+  q: Any  # [2, block_q, H]: each consumer's Q rows
+  out: Any  # [2, block_q, H]: each consumer's output; None: through q
+  k: Any  # [stages, block_kv, H]: the K ring
+  v: Any  # [stages, block_kv, H]: the V ring
+  lse: Any  # [2, block_q] float32: each consumer's logsumexp
+  q_segments: Any  # [2, block_q] int32: each consumer's query segment ids
+  kv_segments: Any  # [stages, block_kv] int32, riding in K's slot
+  k_ready: Any  # per ring slot
+  v_ready: Any
+  q_ready: Any  # 4: each consumer's Q, then its query segment ids
+  kv_segments_ready: Any
+  k_free: Any  # per ring slot, both consumers arrive
+  v_free: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _ItemSteps:
+  """One consumer's steps over one item (``2 * block_q`` query rows of a
+  head and batch row, this consumer's ``block_q`` of them): the loop
+  bodies of the forward, and the lookups and masks they share."""
+
+  smem: _Scratch
+  spec: MaskSpec
+  logits: LogitTransform
+  order_ref: Any  # the schedule's key tiles, [B, blocks, steps]
+  class_ref: Any  # each consumer's tile class per step
+  wg: Array  # this consumer, 0 or 1
+  b: Array  # the item's batch row
+  q_block: Array  # the item's block of 2 * block_q rows
+  count: Array  # the item's steps
+  first_step: Array  # the ring step of the item's first K/V tile
+  q_base: Array  # this consumer's first query row
+  q_length: Array | None
+  kv_length: Array | None
+  q_seg: Array | None  # query segment ids broadcast over the tile
+  qo_smem: Any  # this consumer's Q buffer
+  tile: tuple[int, int]  # (block_q, block_kv)
+  block_kv: int
+  stages: int
+  head_dim: int
+  dtype: Any
+  # Key segment ids ride in K's slot: with them, the slot is released only
+  # after the step's softmax, whose masked branch alone reads them
+  # (softmax_and_turn), else right after the step's Q K^T has read K.
+  segments_ride_k: bool
+
+  def tile_at(self, step):
+    return self.order_ref[self.b, self.q_block, step]
+
+  def run(self, first_info, *, qk_after_pv: bool, after_last_scores=None):
+    """The item's steps from zeroed accumulators (``first_info``: step
+    0's tile class and key tile), with ``Q K^T`` issued after ``P V`` or
+    right behind it (``qk_after_pv``; ``after_last_scores()`` then runs
+    once the item's last ``Q K^T`` has completed).  Returns ``(O, m,
+    l)``: the unnormalized output, the rows' reference maxima and sums."""
+    block_q = self.tile[0]
+    acc = plgpu.layout_cast(
+        jnp.zeros((block_q, self.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
+                          ROW)
+    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
+
+    @pl.when(self.count > 0)
+    def _():
+      with _region("first_k_wait"):
+        plgpu.barrier_wait(self.smem.k_ready.at[
+            lax.rem(self.first_step, common.i32(self.stages))])
+    # The consumers alternate on the tensor cores: each waits for the turn
+    # before P V and passes it after the next Q K^T of the item, or after
+    # P V at the item's last step (see forward_kernel_call's consumer).
+    if not qk_after_pv:
+      acc, m, l, _ = lax.fori_loop(0, self.count, self.waiting_step,
+                                   (acc, m, l, first_info))
+      return acc, m, l
+    zeros = plgpu.layout_cast(jnp.zeros(self.tile, jnp.float32),
+                              plgpu.Layout.WGMMA)
+    qk = lax.cond(self.count > 0, self.first_scores, lambda: zeros)
+    carry = lax.fori_loop(0, self.count - 1, self.chained_step,
+                          (acc, m, l, qk, first_info))
+    if after_last_scores is not None:
+      after_last_scores()
+    acc, m, l, _, _ = lax.cond(self.count > 0, self.last_step, lambda c: c,
+                               carry)
+    return acc, m, l
+
+  def masked(self, s, kv_tile, kv_seg):
+    return self.spec.mask_tile(
+        s, row_start=self.q_base, col_tile=kv_tile, col_block=self.block_kv,
+        rows_are_queries=True, q_length=self.q_length,
+        kv_length=self.kv_length, q_seg=self.q_seg, kv_seg=kv_seg)
+
+  def step_info(self, i):
+    """Step ``i``'s tile class and key tile, read a step early so
+    that their loads' latency is not waited for before the step's
+    softmax (the tile only matters to a masked step); step 0's come
+    from schedule_head."""
+    i = jnp.maximum(jnp.minimum(i, self.count - 1), 0)  # in bounds
+    return self.class_ref[self.b, self.q_block, i, self.wg], self.tile_at(i)
+
+  def slot_of(self, i):
+    return lax.rem(self.first_step + i, common.i32(self.stages))
+
+  def kv_segments_loaded(self, slot):
+    """The key segment ids of ``slot`` (already waited for), broadcast
+    over the tile; the plain loops call it only where a tile is
+    masked."""
+    return broadcast_cols(
+        plgpu.load(self.smem.kv_segments.at[slot], layout=COL), self.tile)
+
+  def release_k_after_scores(self, slot):
+    """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
+    segment ids ride in it (then softmax_and_turn releases it)."""
+    if not self.segments_ride_k:
+      plgpu.barrier_arrive(self.smem.k_free.at[slot])
+
+  def first_scores(self):
+    """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
+    last ``P V`` passed it (see ``consumer`` in forward_kernel_call)."""
+    def qk_product(s_ref):
+      plgpu.wgmma(s_ref, self.qo_smem,
+                  self.smem.k.at[self.slot_of(0)].transpose((1, 0)))
+      return s_ref[...]
+    qk = pl.run_scoped(qk_product, plgpu.ACC(self.tile, jnp.float32))
+    self.release_k_after_scores(self.slot_of(0))
+    return qk
+
+  def softmax_and_turn(self, qk, acc, m, l, info, i):
+    """Step ``i``'s online softmax of ``S_i``; then waits for ``V_i``
+    and for the turn.  Returns the rescaled ``O``, the new maximum and
+    sums, and ``P_i`` in the input dtype."""
+    step_class, kv_tile = info
+    slot = self.slot_of(i)
+    if self.segments_ride_k:
+      # Waited for every step (the barrier's phases), read only by
+      # masked tiles: a full tile keeps no segment ids in registers.
+      plgpu.barrier_wait(self.smem.kv_segments_ready.at[slot])
+
+    def mask_step(s):
+      kv_seg = (self.kv_segments_loaded(slot) if self.segments_ride_k
+                else None)
+      return self.masked(s, kv_tile, kv_seg)
+    with _region("softmax"):
+      p, m_new, rescale = _exponentials(
+          qk, m, full=step_class == masks.FULL, logits=self.logits,
+          masked=mask_step)
+      if self.segments_ride_k:
+        plgpu.barrier_arrive(self.smem.k_free.at[slot])
+      # O is rescaled only in threads whose rows' maximum moved
+      # (rarely, once the first tiles have set it: see _exponentials).
+      acc = lax.cond(common.rows_grew(m, m_new),
+                     lambda a: a * broadcast_rows(rescale, a.shape),
+                     lambda a: a, acc)
+      l = l * rescale
+      p_low = p.astype(self.dtype)
+      l = l + p.sum(axis=1)
+    # P, the row sums and the maximum are formed before the waits for
+    # V and the turn: without the barrier the compiler sinks the
+    # exponentials past the turn, where they run while the other
+    # consumer waits for the tensor cores.  O's rescale is pinned too
+    # up to head dim 128; at 256 its 128 registers per thread are not
+    # worth it.
+    if self.head_dim <= 128:
+      acc, l, m_new, p_low = lax.optimization_barrier(
+          (acc, l, m_new, p_low))
+    else:
+      l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
+    with _region("v_wait"):
+      plgpu.barrier_wait(self.smem.v_ready.at[slot])
+    with _region("turn_wait"):
+      common.wait_turn(self.wg)
+    return acc, m_new, l, p_low
+
+  def chained_step(self, i, carry):
+    """A step of the ``qk_after_pv`` loop before the item's last:
+    within one turn ``O += P_i V_i``
+    and then ``S_{i+1} = Q K_{i+1}^T`` are issued back to back, so
+    that the tensor cores run the second while this consumer would
+    otherwise wait for the first; both are waited for together
+    (they complete in order)."""
+    acc, m, l, qk, info = carry
+    following = self.step_info(i + 1)
+    acc, m, l, p_low = self.softmax_and_turn(qk, acc, m, l, info, i)
+    acc, qk = self.pv_then_scores(acc, qk, p_low, self.slot_of(i),
+                                  self.slot_of(i + 1))
+    return acc, m, l, qk, following
+
+  def pv_then_scores(self, acc, qk, p_low, slot, after):
+    """``O += P V`` on ``slot``, then ``S = Q K^T`` on K's ``after``
+    slot, the turn passed after both are issued; waits for both."""
+    def products(refs):
+      o_ref, qk_ref = refs
+      plgpu.wgmma(o_ref, p_low, self.smem.v.at[slot])
+      plgpu.barrier_wait(self.smem.k_ready.at[after])
+
+      # S's accumulator is allocated after P V is issued: zeros
+      # materialized before it make ptxas zero 64 registers per step
+      # instead of starting the product without an accumulator.
+      def scores(s_ref):
+        plgpu.wgmma(s_ref, self.qo_smem,
+                    self.smem.k.at[after].transpose((1, 0)))
+        common.pass_turn(self.wg)
+        qk_ref[...] = s_ref[...]
+      pl.run_scoped(scores, plgpu.ACC(self.tile, jnp.float32))
+    with _region("pv_qk"):
+      acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
+    plgpu.barrier_arrive(self.smem.v_free.at[slot])
+    self.release_k_after_scores(after)
+    return acc, qk
+
+  def last_step(self, carry):
+    """The item's last step: ``O += P V`` alone, and the turn passed
+    at once, so that the other consumer's products queue behind it
+    and neither consumer's epilogue holds up the other."""
+    acc, m, l, qk, info = carry
+    slot = self.slot_of(self.count - 1)
+    acc, m, l, p_low = self.softmax_and_turn(qk, acc, m, l, info,
+                                             self.count - 1)
+
+    def pv_product(o_ref):
+      plgpu.wgmma(o_ref, p_low, self.smem.v.at[slot])
+      common.pass_turn(self.wg)
+    with _region("last_pv"):
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(self.smem.v_free.at[slot])
+    return acc, m, l, qk, info
+
+  def waiting_step(self, i, carry):
+    """A step of the loop without ``qk_after_pv``: ``Q K^T`` is issued
+    once the previous step's ``P V`` has finished, and the turn passed
+    after it."""
+    acc, m, l, info = carry
+    following = self.step_info(i + 1)
+    slot = self.slot_of(i)
+
+    def qk_product(s_ref):
+      # K of this step was waited for during the previous step's P V.
+      plgpu.wgmma(s_ref, self.qo_smem,
+                  self.smem.k.at[slot].transpose((1, 0)))
+      # An item's first Q K^T is issued outside a turn: the previous
+      # item's last P V passed it (see ``consumer``).
+      pl.when(i > 0)(lambda: common.pass_turn(self.wg))
+      return s_ref[...]
+    with _region("qk"):
+      qk = pl.run_scoped(qk_product, plgpu.ACC(self.tile, jnp.float32))
+    self.release_k_after_scores(slot)
+    acc, m, l, p_low = self.softmax_and_turn(qk, acc, m, l, info, i)
+
+    def pv_product(o_ref):
+      plgpu.wgmma(o_ref, p_low, self.smem.v.at[slot])
+      # The last P V of an item passes the turn at once (as in
+      # last_step).
+      pl.when(i + 1 == self.count)(lambda: common.pass_turn(self.wg))
+      # Wait for the next K while the tensor cores work.
+      @pl.when(i + 1 < self.count)
+      def _():
+        plgpu.barrier_wait(self.smem.k_ready.at[self.slot_of(i + 1)])
+    with _region("pv"):
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(self.smem.v_free.at[slot])
+    return acc, m, l, following
+
+
+def _forward_scratch(block_q: int, block_kv: int, stages: int, head_dim: int,
+                     dtype, *, segments: bool, output_buffer: bool
+                     ) -> _Scratch:
+  """The forward's buffers: segment ids only with ``segments``, and an
+  output buffer apart from Q only with ``output_buffer``."""
+  return _Scratch(
+      q=common.smem_tile((2, block_q, head_dim), dtype),
+      out=common.smem_tile((2, block_q, head_dim), dtype)
+      if output_buffer else None,
+      k=common.smem_tile((stages, block_kv, head_dim), dtype),
+      v=common.smem_tile((stages, block_kv, head_dim), dtype),
+      lse=plgpu.SMEM((2, block_q), jnp.float32),
+      q_segments=plgpu.SMEM((2, block_q), jnp.int32) if segments else None,
+      kv_segments=plgpu.SMEM((stages, block_kv), jnp.int32)
+      if segments else None,
+      k_ready=plgpu.Barrier(num_barriers=stages),
+      v_ready=plgpu.Barrier(num_barriers=stages),
+      q_ready=plgpu.Barrier(num_barriers=4),
+      kv_segments_ready=plgpu.Barrier(num_barriers=stages)
+      if segments else None,
+      k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+
+def _write_output(acc: Array, m: Array, l: Array, o_smem, lse_smem, out_gmem,
+                  lse_gmem) -> None:
+  """An item's epilogue: ``O / l`` (zero for rows that see no key) and the
+  natural-log logsumexp (``-inf`` there) through shared memory to their
+  places in global memory."""
+  seen = l > 0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+  o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(o_smem.dtype)
+  lse_smem[...] = jnp.where(
+      seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2, -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out_gmem)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
 
 
 def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
@@ -54,10 +359,7 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         q_segments: Array | None, kv_segments: Array | None,
                         spec: MaskSpec, logits: LogitTransform, block_q: int,
                         block_kv: int, stages: int,
-                        overlap_qk: bool = False,
                         qk_after_pv: bool = False,
-                        chain_items: bool = False,
-                        fma_exp2_columns: int = 0,
                         q_pad: int | None = None,
                         kv_pad: int | None = None) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
@@ -73,26 +375,14 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       the tile visited at each step of ``kv_order`` for each consumer's
       ``block_q`` rows (read once per step, with no dependent lookup).
     block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks (:func:`jflash.masks.heaviest_first` of
+      take query blocks
+      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first` of
       ``kv_count``).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
-    overlap_qk: issue each step's ``Q K^T`` together with the previous
-      step's ``P V``, so that a consumer's softmax also overlaps its own
-      ``P V`` (FlashAttention-3's intra-warpgroup pipelining; see
-      :func:`_overlapped_steps`).
-    qk_after_pv: without ``overlap_qk``, issue each step's next ``Q K^T``
+    qk_after_pv: issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
-    chain_items: with ``qk_after_pv``, an item's last turn also issues the
-      next item's first ``Q K^T``, so that the tensor cores have it queued
-      while this consumer writes the item's output.  Each consumer then
-      keeps two buffers that alternate between an item's Q and its
-      output, the next item's Q loading during this item's first step.
-    fma_exp2_columns: of each key tile's ``block_kv`` columns, how many (a
-      multiple of 8) take their exponentials on the FMA units instead of
-      the special-function unit.
-
     q_pad, kv_pad: the tiled query and key extents (multiples of the
       tiles), when the arrays are shorter: their tail tiles are then read
       through TMA's zero fill and written only within the arrays.  Default:
@@ -118,30 +408,15 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
   # With room for an output buffer apart from Q, the next item's Q is
   # loaded while this item's output is normalized and stored; without (head
-  # dim 256), the output leaves through Q's buffer.  (Staging the output
-  # through two 64-column slots instead, so that Q could load early at head
-  # dim 256, lost 4-6% at S=4096 and 16384 on an H200 and gained 0-2% at
-  # S=1024.)
+  # dim 256), the output leaves through Q's buffer.
   segments = spec.has_segments
   with_output_buffer = _forward_smem_bytes(
       block_q, block_kv, stages, head_dim, dtype, segments,
       output_columns=head_dim)
   prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
-  # MosaicGpuConfig.resolved refuses chain_items without this loop.
-  assert not chain_items or (qk_after_pv and not overlap_qk)
-  if chain_items and not prefetch_q:
-    raise ValueError(
-        f"MosaicGpuConfig.chain_items=True needs two Q buffers per consumer: "
-        f"{with_output_buffer} bytes of shared memory at head dim "
-        f"{head_dim}, block_q={block_q}, block_kv={block_kv}, "
-        f"stages={stages}, above the {common.SMEM_LIMIT_BYTES} available; "
-        f"use fewer stages or a narrower block_kv")
-  # Q buffers per consumer pair: with chain_items, buffer 2 * parity + wg
-  # holds the Q (then the output) of the items of that parity.
-  q_buffers = 4 if chain_items else 2
 
-  def kernel(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
-             block_order_ref, *rest):
+  def setup(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
+            block_order_ref, *rest):
     named = dict(zip(optional_names, rest[:len(optional_names)]))
     out_ref, lse_ref = rest[len(optional_names):]
     cta = lax.axis_index("ctas")
@@ -154,27 +429,18 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
     def for_each_item(work, init=None):
       items.for_each(block_order_ref, cta, work, init)
 
-    def body(q_smem2, o_smem2, k_smem, v_smem, lse_smem2, qseg_smem2,
-             kvseg_smem, k_ready, v_ready, q_ready, kvseg_ready, k_free,
-             v_free):
-      if o_smem2 is None:
-        o_smem2 = q_smem2  # the output leaves through Q's buffer
+    def body(smem: _Scratch):
 
-      def q_buffer(parity):
-        """This consumer's Q buffer for items of ``parity``."""
-        return 2 * parity + wg if chain_items else wg
-
-      def load_q(head, b, q_block, parity=0):
+      def load_q(head, b, q_block):
         """Starts the copies of this consumer's Q rows (and their segment
-        ids) of an item into its buffer for ``parity``."""
+        ids) of an item into its buffer."""
         q_base = (q_block * 2 + wg) * block_q
-        buf = q_buffer(parity)
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
-                                q_smem2.at[buf], q_ready.at[buf])
+                                smem.q.at[wg], smem.q_ready.at[wg])
         if q_seg_ref is not None:
           plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(q_base, block_q)],
-                                  qseg_smem2.at[buf],
-                                  q_ready.at[q_buffers + buf])
+                                  smem.q_segments.at[wg],
+                                  smem.q_ready.at[2 + wg])
 
       def schedule_head(b, q_block):
         """An item's number of steps and its first step's tile class and
@@ -185,29 +451,19 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       def consume_item(head, b, q_block, carry, next_item):
         """One consumer's work on an item whose first K/V tile sits at
         ring step ``first_step``, its schedule_head read by the item
-        before; returns the next item's first step (with ``chain_items``,
-        also the next item's buffer parity, whether its first ``Q K^T``
-        was issued here, and that product) and the next item's
-        schedule_head."""
-        ring, (count, *first_info) = carry
-        if chain_items:
-          first_step, parity, pre, qk_pre = ring
-        else:
-          first_step, parity, pre, qk_pre = ring, 0, None, None
+        before; returns the next item's first step and schedule_head."""
+        first_step, (count, *first_info) = carry
         # The next item's schedule is read now, so that its latency is
         # not waited for between this item's output and the next's first
         # products.
         _, next_b, next_block = next_item[1]
         next_head = schedule_head(next_b, next_block)
 
-        def tile_at(step):
-          return order_ref[b, q_block, step]
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
-        buf = q_buffer(parity)
-        qo_smem = q_smem2.at[buf]
-        # With chain_items the output leaves through the item's Q buffer.
-        o_smem = qo_smem if chain_items else o_smem2.at[wg]
+        qo_smem = smem.q.at[wg]
+        # Without an output buffer the output leaves through Q's.
+        o_smem = (smem.q if smem.out is None else smem.out).at[wg]
         next_exists, next_where = next_item
         my_block = q_block * 2 + wg
         q_base = my_block * block_q
@@ -218,306 +474,38 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           load_q(head, b, q_block)
         q_seg = None
         if q_seg_ref is not None:
-          plgpu.barrier_wait(q_ready.at[q_buffers + buf])
-          q_seg = broadcast_rows(plgpu.load(qseg_smem2.at[buf], layout=_ROW),
+          plgpu.barrier_wait(smem.q_ready.at[2 + wg])
+          q_seg = broadcast_rows(plgpu.load(smem.q_segments.at[wg], layout=ROW),
                                  tile)
-        if chain_items:
-          # A chained item's Q was waited for before its first Q K^T.
-          pl.when(jnp.logical_not(pre))(
-              lambda: plgpu.barrier_wait(q_ready.at[buf]))
-        else:
-          with _region("q_wait"):
-            plgpu.barrier_wait(q_ready.at[wg])
+        with _region("q_wait"):
+          plgpu.barrier_wait(smem.q_ready.at[wg])
 
         # In the qk_after_pv loop the next item's Q is loaded once the
         # chained steps are done (the item's last Q K^T has then completed
         # and its buffer is free), so that the load overlaps the last
-        # softmax, P V and the output: the consumers waited 1,000-1,400
-        # cycles per item for Q at head dim 128 S=1024 when it was loaded
-        # after the last P V.  In the waiting loop, loading it inside the
-        # step loop spilled registers every step (head dim 128 with segment
-        # ids), so Q loads once the item's products are done.
-        early_q = (prefetch_q and not chain_items and not overlap_qk
-                   and qk_after_pv)
+        # softmax, P V and the output instead of being waited for before the
+        # next item.  In the waiting loop, loading it inside the step loop
+        # spills registers every step (head dim 128 with segment ids), so Q
+        # loads once the item's products are done.
+        early_q = prefetch_q and qk_after_pv
 
         def load_next_q(when=True):
           pl.when(jnp.logical_and(when, next_exists))(
               lambda: load_q(*next_where))
 
-        def prefetch_next():
-          """chain_items: once the previous item's output and logsumexp
-          copies have read their buffers, the next item's Q loads into the
-          buffer that held the previous item's."""
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pl.when(next_exists)(
-              lambda: load_q(*next_where, parity=1 - parity))
+        steps = _ItemSteps(
+            smem=smem, spec=spec, logits=logits, order_ref=order_ref,
+            class_ref=class_ref, wg=wg, b=b, q_block=q_block, count=count,
+            first_step=first_step, q_base=q_base, q_length=q_length,
+            kv_length=kv_length, q_seg=q_seg, qo_smem=qo_smem, tile=tile,
+            block_kv=block_kv, stages=stages, head_dim=head_dim, dtype=dtype,
+            segments_ride_k=kv_seg_ref is not None)
 
-        def masked(s, kv_tile, kv_seg):
-          return spec.mask_tile(s, row_start=q_base, col_tile=kv_tile,
-                                col_block=block_kv, rows_are_queries=True,
-                                q_length=q_length, kv_length=kv_length,
-                                q_seg=q_seg, kv_seg=kv_seg)
+        acc, m, l = steps.run(tuple(first_info), qk_after_pv=qk_after_pv,
+                              after_last_scores=load_next_q if early_q
+                              else None)
 
-
-        def step_info(i):
-          """Step ``i``'s tile class and key tile, read a step early so
-          that their loads' latency is not waited for before the step's
-          softmax (the tile only matters to a masked step); step 0's come
-          from schedule_head."""
-          i = jnp.maximum(jnp.minimum(i, count - 1), 0)  # in bounds
-          return class_ref[b, q_block, i, wg], tile_at(i)
-
-        def slot_of(i):
-          return lax.rem(first_step + i, common.i32(stages))
-
-        # Key segment ids ride in K's slot: with them, the slot is released
-        # only after the step's softmax, whose masked branch alone reads
-        # them (softmax_and_turn), else right after the step's Q K^T has
-        # read K.
-        segments_ride_k = kv_seg_ref is not None
-
-        def kv_segments_loaded(slot):
-          """The key segment ids of ``slot`` (already waited for), broadcast
-          over the tile; the plain loops call it only where a tile is
-          masked."""
-          return broadcast_cols(
-              plgpu.load(kvseg_smem.at[slot], layout=_COL), tile)
-
-        def kv_segments_at(slot):
-          """The overlapped loop's key segment ids of ``slot``: waited for
-          and loaded at the start of the step."""
-          if kv_seg_ref is None:
-            return None
-          plgpu.barrier_wait(kvseg_ready.at[slot])
-          return kv_segments_loaded(slot)
-
-        def release_k_after_scores(slot):
-          """Releases K's ``slot`` once its ``Q K^T`` has been read, unless
-          segment ids ride in it (then softmax_and_turn releases it)."""
-          if not segments_ride_k:
-            plgpu.barrier_arrive(k_free.at[slot])
-
-        def first_scores():
-          """``S_0 = Q K_0^T``, issued outside a turn: the previous item's
-          last ``P V`` passed it (see _consumer)."""
-          def qk_product(s_ref):
-            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
-            return s_ref[...]
-          qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          release_k_after_scores(slot_of(0))
-          return qk
-
-        def softmax_and_turn(qk, acc, m, l, info, i):
-          """Step ``i``'s online softmax of ``S_i``; then waits for ``V_i``
-          and for the turn.  Returns the rescaled ``O``, the new maximum and
-          sums, and ``P_i`` in the input dtype."""
-          step_class, kv_tile = info
-          slot = slot_of(i)
-          if segments_ride_k:
-            # Waited for every step (the barrier's phases), read only by
-            # masked tiles: a full tile keeps no segment ids in registers.
-            plgpu.barrier_wait(kvseg_ready.at[slot])
-
-          def mask_step(s):
-            kv_seg = kv_segments_loaded(slot) if segments_ride_k else None
-            return masked(s, kv_tile, kv_seg)
-          with _region("softmax"):
-            p, m_new, rescale = _exponentials(
-                qk, m, full=step_class == masks.FULL, logits=logits,
-                masked=mask_step, fma_columns=fma_exp2_columns,
-                slack=RESCALE_SLACK)
-            if segments_ride_k:
-              plgpu.barrier_arrive(k_free.at[slot])
-            # O is rescaled only in threads whose rows' maximum moved
-            # (rarely, once the first tiles have set it: see _exponentials).
-            acc = lax.cond(common.rows_grew(m, m_new),
-                           lambda a: a * broadcast_rows(rescale, a.shape),
-                           lambda a: a, acc)
-            l = l * rescale
-            p_low = p.astype(dtype)
-            l = l + p.sum(axis=1)
-          # P, the row sums and the maximum are formed before the waits for
-          # V and the turn: without the barrier the compiler sinks the
-          # exponentials past the turn, where they run while the other
-          # consumer waits for the tensor cores (10% of the forward at head
-          # dim 256, S=16384).  O's rescale is pinned too up to head dim
-          # 128; at 256 its 128 registers per thread are not worth it.
-          if head_dim <= 128:
-            acc, l, m_new, p_low = lax.optimization_barrier(
-                (acc, l, m_new, p_low))
-          else:
-            l, m_new, p_low = lax.optimization_barrier((l, m_new, p_low))
-          with _region("v_wait"):
-            plgpu.barrier_wait(v_ready.at[slot])
-          with _region("turn_wait"):
-            common.wait_turn(wg)
-          return acc, m_new, l, p_low
-
-        def chained_step(i, carry):
-          """A step of the ``qk_after_pv`` loop before the item's last:
-          within one turn ``O += P_i V_i``
-          and then ``S_{i+1} = Q K_{i+1}^T`` are issued back to back, so
-          that the tensor cores run the second while this consumer would
-          otherwise wait for the first; both are waited for together
-          (they complete in order)."""
-          acc, m, l, qk, info = carry
-          following = step_info(i + 1)
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
-          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(i), slot_of(i + 1),
-                                   qo_smem)
-          if chain_items:
-            pl.when(i == 0)(prefetch_next)
-          return acc, m, l, qk, following
-
-        def pv_then_scores(acc, qk, p_low, slot, after, q_smem,
-                           q_waited=None):
-          """``O += P V`` on ``slot``, then ``S = Q K^T`` on K's ``after``
-          slot (``q_smem`` holding Q, ready once ``q_waited`` completes when
-          given), the turn passed after both are issued; waits for both."""
-          def products(refs):
-            o_ref, qk_ref = refs
-            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
-            if q_waited is not None:
-              plgpu.barrier_wait(q_waited)
-            plgpu.barrier_wait(k_ready.at[after])
-
-            # S's accumulator is allocated after P V is issued: zeros
-            # materialized before it make ptxas zero 64 registers per step
-            # instead of starting the product without an accumulator.
-            def scores(s_ref):
-              plgpu.wgmma(s_ref, q_smem, k_smem.at[after].transpose((1, 0)))
-              common.pass_turn(wg)
-              qk_ref[...] = s_ref[...]
-            pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
-          with _region("pv_qk"):
-            acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), qk))
-          plgpu.barrier_arrive(v_free.at[slot])
-          release_k_after_scores(after)
-          return acc, qk
-
-        def last_step_chained(carry):
-          """chain_items: the item's last step issues ``O += P V`` and then
-          the next item's first ``S = Q' K^T`` (its Q in the other buffer,
-          its first K tile the ring's next slot) in one turn."""
-          acc, m, l, qk, info = carry
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
-          next_buf = q_buffer(1 - parity)
-          acc, qk = pv_then_scores(acc, qk, p_low, slot_of(count - 1),
-                                   slot_of(count), q_smem2.at[next_buf],
-                                   q_waited=q_ready.at[next_buf])
-          return acc, m, l, qk, info
-
-        def last_step(carry):
-          """The item's last step: ``O += P V`` alone, and the turn passed
-          at once, so that the other consumer's products queue behind it
-          and neither consumer's epilogue holds up the other."""
-          acc, m, l, qk, info = carry
-          slot = slot_of(count - 1)
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, count - 1)
-
-          def pv_product(o_ref):
-            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
-            common.pass_turn(wg)
-          with _region("last_pv"):
-            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m, l, qk, info
-
-        def waiting_step(i, carry):
-          """A step of the loop without ``qk_after_pv``: ``Q K^T`` is issued
-          once the previous step's ``P V`` has finished, and the turn passed
-          after it."""
-          acc, m, l, info = carry
-          following = step_info(i + 1)
-          slot = slot_of(i)
-
-          def qk_product(s_ref):
-            # K of this step was waited for during the previous step's P V.
-            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            # An item's first Q K^T is issued outside a turn: the previous
-            # item's last P V passed it (see _consumer).
-            pl.when(i > 0)(lambda: common.pass_turn(wg))
-            return s_ref[...]
-          with _region("qk"):
-            qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-          release_k_after_scores(slot)
-          acc, m, l, p_low = softmax_and_turn(qk, acc, m, l, info, i)
-
-          def pv_product(o_ref):
-            plgpu.wgmma(o_ref, p_low, v_smem.at[slot])
-            # The last P V of an item passes the turn at once (as in
-            # last_step).
-            pl.when(i + 1 == count)(lambda: common.pass_turn(wg))
-            # Wait for the next K while the tensor cores work.
-            @pl.when(i + 1 < count)
-            def _():
-              plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
-          with _region("pv"):
-            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m, l, following
-
-        acc = plgpu.layout_cast(
-            jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((block_q,), common.M_INIT, jnp.float32),
-                              _ROW)
-        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
-        # An item's first K tile is waited for here, or (chain_items) by the
-        # previous item's last step, which issued its first Q K^T.
-        first_k_due = count > 0
-        if chain_items:
-          first_k_due = jnp.logical_and(first_k_due, jnp.logical_not(pre))
-
-        @pl.when(first_k_due)
-        def _():
-          with _region("first_k_wait"):
-            plgpu.barrier_wait(k_ready.at[lax.rem(first_step, common.i32(stages))])
-        # The consumers alternate on the tensor cores: each waits for the
-        # turn before P V and passes it after the next Q K^T of the item,
-        # or after P V at the item's last step (see _consumer).
-        if overlap_qk:
-          acc, m, l = _overlapped_steps(
-              acc, m, l, count=count, first_step=first_step, stages=stages,
-              tile=tile, dtype=dtype,
-              logits=logits, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
-              k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free,
-              wait_turn=lambda: common.wait_turn(wg),
-              pass_turn=lambda: common.pass_turn(wg),
-              step_info=step_info, kv_segments_at=kv_segments_at,
-              masked=masked, fma_columns=fma_exp2_columns)
-        elif not qk_after_pv:
-          acc, m, l, _ = lax.fori_loop(
-              0, count, waiting_step, (acc, m, l, tuple(first_info)))
-        else:
-          zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-          if chain_items:
-            qk = lax.cond(pre, lambda: qk_pre,
-                          lambda: lax.cond(count > 0, first_scores,
-                                           lambda: zeros))
-            # Items of fewer than two steps have no chained step to load
-            # the next item's Q in.
-            pl.when(count <= 1)(prefetch_next)
-          else:
-            qk = lax.cond(count > 0, first_scores, lambda: zeros)
-          carry = lax.fori_loop(0, count - 1, chained_step,
-                                (acc, m, l, qk, tuple(first_info)))
-          if early_q:
-            load_next_q()  # the last step's Q K^T has completed
-          if chain_items:
-            # Chain into the next item when it has a tile to visit.
-            chain = jnp.logical_and(
-                jnp.logical_and(next_exists, count > 0),
-                next_head[0] > 0)
-            acc, m, l, qk_next, _ = lax.cond(
-                chain, last_step_chained,
-                lambda c: lax.cond(count > 0, last_step, lambda c: c, c),
-                carry)
-          else:
-            acc, m, l, _, _ = lax.cond(count > 0, last_step, lambda c: c,
-                                       carry)
-
-        if prefetch_q and not chain_items:
+        if prefetch_q:
           if not early_q:
             # Every Q K^T of this item has completed: the next item's Q may
             # take the buffer while this one's output is written.
@@ -526,25 +514,12 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
           # their buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         with _region("epilogue"):
-          seen = l > 0
-          inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-          o_smem[...] = (acc * broadcast_rows(inv, acc.shape)).astype(dtype)
-          lse_smem2.at[wg][...] = jnp.where(
-              seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN2,
-              -jnp.inf)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              o_smem, out_ref.at[b, pl.ds(q_base, block_q), head])
-          plgpu.copy_smem_to_gmem(
-              lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(q_base, block_q)])
-        if chain_items:
-          return (first_step + count, 1 - parity, chain, qk_next), next_head
+          rows = pl.ds(q_base, block_q)
+          _write_output(acc, m, l, o_smem, smem.lse.at[wg],
+                        out_ref.at[b, rows, head], lse_ref.at[b, head, rows])
         return first_step + count, next_head
 
-      @pl.when(wg < 2)
-      def _consumer():
-        plgpu.set_max_registers(common.CONSUMER_REGISTERS,
-                                action="increase")
+      def consumer():
         if prefetch_q:
           first_k, first_where = item_at(0)
           pl.when(first_k < items.num_items)(lambda: load_q(*first_where))
@@ -557,58 +532,33 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
         # consumer before the other's wait would complete the 256-thread
         # barrier without it, and the consumers would deadlock.)
         pl.when(wg == 0)(lambda: common.pass_turn(wg))
-        ring = jnp.int32(0)
-        if chain_items:
-          ring = (ring, jnp.int32(0), jnp.bool_(False),
-                  plgpu.layout_cast(jnp.zeros(tile, jnp.float32),
-                                    plgpu.Layout.WGMMA))
         _, (_, first_b, first_block) = item_at(0)
-        for_each_item(consume_item, (ring, schedule_head(first_b, first_block)))
+        for_each_item(consume_item,
+                      (jnp.int32(0), schedule_head(first_b, first_block)))
         pl.when(wg == 1)(lambda: common.wait_turn(wg))
         plgpu.wait_smem_to_gmem(0)
 
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(common.PRODUCER_REGISTERS,
-                                action="decrease")
+      def producer():
         produce_item = common.kv_item_producer(
             order_ref, count_ref, group=group, stages=stages,
-            block_kv=block_kv, k=(k_ref, k_smem, k_ready, k_free),
-            v=(v_ref, v_smem, v_ready, v_free),
-            segments=(kv_seg_ref, kvseg_smem, kvseg_ready))
+            block_kv=block_kv, k=(k_ref, smem.k, smem.k_ready, smem.k_free),
+            v=(v_ref, smem.v, smem.v_ready, smem.v_free),
+            segments=(kv_seg_ref, smem.kv_segments, smem.kv_segments_ready))
         for_each_item(produce_item)
 
-    pl.run_scoped(
-        body,
-        common.smem_tile((q_buffers, block_q, head_dim), dtype),
-        common.smem_tile((2, block_q, head_dim), dtype)
-        if prefetch_q and not chain_items else None,
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        common.smem_tile((stages, block_kv, head_dim), dtype),
-        plgpu.SMEM((2, block_q), jnp.float32),
-        plgpu.SMEM((q_buffers, block_q), jnp.int32) if segments else None,
-        plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=2 * q_buffers),
-        plgpu.Barrier(num_barriers=stages) if segments else None,
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        collective_axes="wg",
-    )
+      common.split_warpgroups(wg, consumer, producer)
+    return body
 
-  out, lse = plgpu.kernel(
-      kernel,
+  out, lse = common.warp_specialized_kernel(
+      setup,
+      (q, k, v, kv_order, kv_count, classes, block_order,
+       *(optional[n] for n in optional_names)),
+      scratch=_forward_scratch(block_q, block_kv, stages, head_dim, dtype,
+                               segments=segments, output_buffer=prefetch_q),
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-      grid=(items.num_ctas,),
-      grid_names=("ctas",),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="jflash_forward",
-      compiler_params=common.COMPILER_PARAMS,
-  )(q, k, v, kv_order, kv_count, classes, block_order,
-    *(optional[n] for n in optional_names))
+      grid=(items.num_ctas,), grid_names=("ctas",),
+      kernel_name="jflash_forward")
   return out, lse
 
 
@@ -632,149 +582,37 @@ def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,
 
 
 # How far (base 2) a row's maximum may rise above the reference it was
-# exponentiated against before the plain forward loop moves the reference
-# and rescales O and the row sums: probabilities stay below 2 ** 8, and
-# most steps after the first few leave O alone.
+# exponentiated against before the forward moves the reference and
+# rescales O and the row sums: probabilities stay below 2 ** 8, and most
+# steps after the first few leave O alone.
 RESCALE_SLACK = 8.0
 
 
 def _exponentials(qk: Array, m: Array, *, full, masked,
-                  logits: LogitTransform, fma_columns: int = 0,
-                  slack: float = 0.0) -> tuple[Array, Array, Array]:
+                  logits: LogitTransform) -> tuple[Array, Array, Array]:
   """One online-softmax step from the raw products ``qk`` (``masked``
   applied unless ``full``): the float32 probabilities relative to the new
-  row maximum, that maximum, and the factor rescaling earlier sums to it.
-  The probabilities of the last ``fma_columns`` columns are computed on
-  the FMA units (:func:`~jflash.backends.mosaic_gpu.common.exp2_split`)."""
+  row reference maximum (:func:`_reference`), that reference, and the
+  factor rescaling earlier sums to it."""
   tile = qk.shape
   factor = logits.linear_factor
   if factor is None:
     s = lax.cond(full, lambda s: s, masked, logits(qk))
-    m_new = _reference(m, s.max(axis=1), slack)
-    p = common.exp2_split(s - broadcast_rows(m_new, tile), fma_columns)
+    m_new = _reference(m, s.max(axis=1))
+    p = jnp.exp2(s - broadcast_rows(m_new, tile))
   else:  # the maximum of the raw products; one FMA per exponent
     qk = lax.cond(full, lambda s: s, masked, qk)
-    m_new = _reference(m, qk.max(axis=1) * factor, slack)
-    p = common.exp2_split(qk * factor - broadcast_rows(m_new, tile),
-                          fma_columns)
+    m_new = _reference(m, qk.max(axis=1) * factor)
+    p = jnp.exp2(qk * factor - broadcast_rows(m_new, tile))
   rescale = jnp.exp2(m - m_new)
-  if slack:
-    # Exactly 1 where the reference stayed: O is then left alone, and the
-    # row sums must not drift from it by the exponential's rounding.
-    rescale = jnp.where(m_new > m, rescale, 1.0)
+  # Exactly 1 where the reference stayed: O is then left alone, and the
+  # row sums must not drift from it by the exponential's rounding.
+  rescale = jnp.where(m_new > m, rescale, 1.0)
   return p, m_new, rescale
 
 
-def _reference(m: Array, tile_max: Array, slack: float) -> Array:
-  """The rows' new reference maximum: the running maximum, moved only when
-  the tile's exceeds the current reference by more than ``slack``."""
-  if not slack:
-    return jnp.maximum(m, tile_max)
-  return jnp.where(tile_max > m + slack, tile_max, m)
-
-
-def _overlapped_steps(acc, m, l, *, count, first_step, stages, tile, dtype,
-                      logits,
-                      qo_smem, k_smem, v_smem, k_ready, v_ready, k_free,
-                      v_free, wait_turn, pass_turn, step_info,
-                      kv_segments_at, masked, fma_columns=0):
-  """A consumer's loop with the next ``Q K^T`` issued alongside ``P V``.
-
-  Step ``j`` waits for its turn, issues ``S_j = Q K_j^T`` and then ``O +=
-  P_{j-1} V_{j-1}``, passes the turn, waits for ``S_j`` only (the older
-  product may still run), computes ``P_j`` and the new row maximum while
-  ``P V`` finishes, then rescales ``O``.  A first step computes ``S_0``
-  alone and a last one adds ``P V`` of the final tile.  Expects ``K_0``
-  waited for, and the turn taken as in the plain loop: every group of
-  products but the first (``S_0``, issued outside a turn) is issued after
-  ``wait_turn`` and followed by ``pass_turn``, so that per item each
-  consumer waits and passes alternately, once per step (the caller's one
-  pass of the first consumer before its first item and one wait of the
-  second after its last balance them).  ``step_info(i)`` gives step
-  ``i``'s tile class and key tile (``i`` clamped to the steps), read a
-  step ahead; ``masked(s, kv_tile, kv_seg)`` masks a partial tile.
-  Returns ``(acc, m, l)`` as the plain loop does.
-  """
-  def slot_of(i):
-    return lax.rem(first_step + i, common.i32(stages))
-
-  def update(qk, m, l, info, kv_seg):
-    """float32 probabilities, new maximum, rescale factor, new row sums."""
-    step_class, kv_tile = info
-    p, m_new, rescale = _exponentials(
-        qk, m, full=step_class == masks.FULL, logits=logits,
-        masked=lambda s: masked(s, kv_tile, kv_seg),
-        fma_columns=fma_columns)
-    return p, m_new, rescale, l * rescale + p.sum(axis=1)
-
-  def wait_next_k(i):
-    @pl.when(i + 1 < count)
-    def _():
-      plgpu.barrier_wait(k_ready.at[slot_of(i + 1)])
-
-  def first(carry):
-    acc, m, l, p, info = carry
-    kv_seg = kv_segments_at(slot_of(0))
-    following = step_info(1)
-
-    def qk_product(s_ref):
-      plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot_of(0)].transpose((1, 0)))
-      return s_ref[...]
-    qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-    plgpu.barrier_arrive(k_free.at[slot_of(0)])
-    p, m, _, l = update(qk, m, l, info, kv_seg)  # O is still zero
-    wait_next_k(0)
-    return acc, m, l, p.astype(dtype), following
-
-  def step(j, carry):
-    acc, m, l, p_prev, info = carry
-    slot, prev = slot_of(j), slot_of(j - 1)
-    kv_seg = kv_segments_at(slot)
-    following = step_info(j + 1)
-    plgpu.barrier_wait(v_ready.at[prev])
-
-    def products(refs):
-      o_ref, m_ref, l_ref, p_ref, rescale_ref = refs  # p_ref: float32
-
-      def with_scores(s_ref):
-        wait_turn()
-        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-        pass_turn()
-        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, not P V
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, rescale, l_new = update(qk, m, l, info, kv_seg)
-        p_ref[...], m_ref[...] = p, m_new
-        l_ref[...], rescale_ref[...] = l_new, rescale
-        wait_next_k(j)
-      pl.run_scoped(with_scores, plgpu.ACC(tile, jnp.float32))
-    # P_j stays in float32 until P V has finished reading P_{j-1}: writing
-    # the registers of a wgmma operand while it is in flight makes ptxas
-    # serialize every wgmma of the loop (its warning C7513).
-    acc, m, l, p, rescale = pl.run_state(products)(
-        (plgpu.ACC.init(acc), m, l,
-         plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA),
-         m))
-    plgpu.barrier_arrive(v_free.at[prev])
-    return (acc * broadcast_rows(rescale, acc.shape), m, l, p.astype(dtype),
-            following)
-
-  def last(carry):
-    acc, m, l, p, info = carry
-    slot = slot_of(count - 1)
-    plgpu.barrier_wait(v_ready.at[slot])
-
-    def pv_product(o_ref):
-      wait_turn()
-      plgpu.wgmma(o_ref, p, v_smem.at[slot])
-      pass_turn()
-    acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(v_free.at[slot])
-    return acc, m, l, p, info
-
-  p = plgpu.layout_cast(jnp.zeros(tile, dtype), plgpu.Layout.WGMMA)
-  carry = (acc, m, l, p, step_info(0))
-  carry = lax.cond(count > 0, first, lambda c: c, carry)
-  carry = lax.fori_loop(1, count, step, carry)
-  acc, m, l, _, _ = lax.cond(count > 0, last, lambda c: c, carry)
-  return acc, m, l
+def _reference(m: Array, tile_max: Array) -> Array:
+  """The rows' new reference maximum: the current reference, moved to the
+  tile's maximum only when that exceeds it by more than
+  :data:`RESCALE_SLACK`."""
+  return jnp.where(tile_max > m + RESCALE_SLACK, tile_max, m)
