@@ -29,7 +29,8 @@ from jflash.backends import gpu_table
 _MOSAIC = "mosaic_gpu"
 _CUDNN = "cudnn"
 _JSONL_IMPLS = {"jflash:mosaic_gpu": _MOSAIC, "cudnn": _CUDNN}
-_GRID_IMPLS = {"jax_nn_cudnn": _CUDNN}
+_GRID_IMPLS = {"jax_nn_cudnn": _CUDNN, "jflash:mosaic_gpu": _MOSAIC,
+               "jflash:cudnn": _CUDNN}
 
 Cell = tuple[int, int, str, bool, str]  # head dim, S, mask kind, GQA, dtype
 
@@ -118,6 +119,17 @@ def build(rows, gpu: str, source: str,
   return entries
 
 
+def merge(*tables: list[gpu_table.Entry]) -> list[gpu_table.Entry]:
+  """The entries of several runs on one GPU model, a later run's entry
+  replacing an earlier one's for the same cell (each cell decided within
+  one run, never by comparing numbers across runs)."""
+  cells = {}
+  for table in tables:
+    for e in table:
+      cells[(e.head_dim, e.seq_len, e.mask, e.gqa, e.dtype)] = e
+  return [cells[cell] for cell in sorted(cells)]
+
+
 def to_source(entries: list[gpu_table.Entry],
               source_name: str | None = None) -> str:
   """Python source of the entries, one per line; ``source_name``: an
@@ -134,7 +146,9 @@ def to_source(entries: list[gpu_table.Entry],
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("results", nargs="+", type=Path)
+  p.add_argument("results", nargs="+", type=Path,
+                 help="grid.json or JSON-lines files of one GPU model; a "
+                 "later file's cell replaces an earlier one's")
   p.add_argument("--gpu", default=None,
                  help="GPU model (e.g. H100) for files that do not name it")
   p.add_argument("--source", default=None,
@@ -144,18 +158,21 @@ def main(argv=None) -> int:
   p.add_argument("--margin", type=float, default=MARGIN,
                  help="fraction by which mosaic_gpu must beat cudnn")
   args = p.parse_args(argv)
-  rows, kinds = [], set()
+  runs, kinds = [], set()
   for path in args.results:
     kind, found = read(path)
     if kind:
       kinds.add(gpu_table.gpu_model(kind))
-    rows += found
+    runs.append(found)
   models = kinds | ({args.gpu} if args.gpu else set())
   if len(models) != 1 or None in models:
     p.error(f"the results must come from one GPU model, named by the files "
             f"or --gpu; got {sorted(map(str, models))}")
-  source = args.source or ", ".join(str(path) for path in args.results)
-  print(to_source(build(rows, models.pop(), source, args.margin),
+  gpu = models.pop()
+  sources = ([args.source] * len(runs) if args.source
+             else [str(path) for path in args.results])
+  print(to_source(merge(*(build(rows, gpu, source, args.margin)
+                          for rows, source in zip(runs, sources))),
                   args.source_name))
   return 0
 

@@ -368,15 +368,23 @@ def test_table_is_what_the_builder_makes_of_the_checked_in_results():
   from jflash.backends import gpu_table
   from pathlib import Path
   results = Path(__file__).parent.parent / "benchmarks" / "results"
-  h100 = results / "2026-12-06-h100-anchors"
-  rows = []
+  anchors = []
   for name in ("h100-jax-2026-12-06-h128.jsonl",
                "h100-jax-2026-12-06-h64-h256.jsonl"):
-    rows += dispatch_table.read(h100 / name)[1]
+    anchors += dispatch_table.read(
+        results / "2026-12-06-h100-anchors" / name)[1]
+  grid = []
+  for name in ("grid-h256.json", "grid-h128.json"):
+    kind, rows = dispatch_table.read(
+        results / "2026-12-06-h100-default-order" / name)
+    assert gpu_table.gpu_model(kind) == "H100"
+    grid += rows
   kind, h200_rows = dispatch_table.read(
       results / "2026-12-04-h200-grid-2dfdde0" / "grid.json")
   assert gpu_table.gpu_model(kind) == "H200"
-  built = (dispatch_table.build(rows, "H100", gpu_table._H100)
+  built = (dispatch_table.merge(
+      dispatch_table.build(anchors, "H100", gpu_table._H100_ANCHORS),
+      dispatch_table.build(grid, "H100", gpu_table._H100_GRID))
            + dispatch_table.build(h200_rows, "H200", gpu_table._H200))
   assert tuple(built) == gpu_table.TABLE
 
@@ -439,3 +447,24 @@ def test_a_crash_tracing_for_another_platform_does_not_break_this_one(
   with jax.sharding.use_abstract_mesh(mesh), \
       pytest.raises(TypeError, match="broken kernel"):
     jax.jit(_attention(case)).trace(q, k, v)
+
+
+def test_builder_merge_keeps_each_cell_of_the_later_run():
+  from benchmarks import dispatch_table
+  cell = (128, 4096, "none", False, "bfloat16")
+  other = (64, 4096, "none", False, "bfloat16")
+  earlier = dispatch_table.build(
+      [(cell, "cudnn", "fwd", 500.0), (cell, "mosaic_gpu", "fwd", 600.0),
+       (cell, "cudnn", "fwdbwd", 500.0), (cell, "mosaic_gpu", "fwdbwd", 400.0),
+       (other, "cudnn", "fwd", 500.0), (other, "mosaic_gpu", "fwd", 400.0),
+       (other, "cudnn", "fwdbwd", 500.0),
+       (other, "mosaic_gpu", "fwdbwd", 400.0)], "H100", "a")
+  later = dispatch_table.build(
+      [(cell, "cudnn", "fwd", 600.0), (cell, "mosaic_gpu", "fwd", 500.0),
+       (cell, "cudnn", "fwdbwd", 400.0), (cell, "mosaic_gpu", "fwdbwd", 500.0)],
+      "H100", "b")
+  merged = {(e.head_dim, e.seq_len): e
+            for e in dispatch_table.merge(earlier, later)}
+  assert (merged[128, 4096].inference, merged[128, 4096].training,
+          merged[128, 4096].source) == ("cudnn", "mosaic_gpu", "b")
+  assert merged[64, 4096].source == "a"
