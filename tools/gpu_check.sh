@@ -13,9 +13,9 @@ PY="${PYTHON:-python3}"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 "$PY" - <<'EOF' | tee -a "$OUT/device.txt"
-import jax, flax, optax, chex
+import jax, flax, optax
 print("jax", jax.__version__, "flax", flax.__version__, "optax",
-      optax.__version__, "chex", chex.__version__)
+      optax.__version__)
 print("devices", jax.devices(), "backend", jax.default_backend())
 import jflash
 print("default order", jflash.default_order())

@@ -26,8 +26,9 @@ BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
 
 
 _ORDERS = {
-    # cuDNN first while it is measured faster on dense shapes
-    # (docs/performance.md); mosaic_gpu serves what it declines.
+    # On a GPU model with measured entries (gpu_table.py) the faster of
+    # cudnn and mosaic_gpu goes first per call; elsewhere cuDNN, and
+    # mosaic_gpu serves what it declines.
     "cuda": ("cudnn", "mosaic_gpu", "xla"),
     "rocm": ("xla",),
     "tpu": ("mosaic_tpu", "xla"),
