@@ -94,20 +94,20 @@ def test_export_under_a_tpu_mesh_keeps_the_tpu_residuals():
   assert exported.mlir_module().count("tpu_custom_call") == 3
 
 
-def test_export_for_cuda_gets_the_hopper_kernels(monkeypatch):
-  """With the host's GPU taken for a Hopper (cuDNN's lowering needs a real
+def test_export_for_cuda_gets_the_hopper_kernels():
+  """Lowering for a Hopper GPU from this host (cuDNN's lowering needs a real
   GPU and declines here), a CUDA export holds Mosaic GPU kernels, and a
   three-platform export holds each platform's kernels."""
-  monkeypatch.setattr(mosaic_gpu, "_is_hopper", lambda: True)
   rng = fresh_rng()
   q, k, v = random_qkv(rng, t=128, s=128, n=2, k=2, h=64,
                        dtype=jnp.bfloat16)
   case = Case(q, k, v, kwargs=dict(is_causal=True))
-  exported = export.export(jax.jit(_attention(case)),
-                           platforms=["cuda"])(q, k, v)
-  assert "mosaic_gpu_v2" in _custom_calls(exported.mlir_module())
-  exported = export.export(jax.jit(_attention(case)),
-                           platforms=["cpu", "cuda", "tpu"])(q, k, v)
+  with mosaic_gpu.lowering_for_hopper():
+    exported = export.export(jax.jit(_attention(case)),
+                             platforms=["cuda"])(q, k, v)
+    assert "mosaic_gpu_v2" in _custom_calls(exported.mlir_module())
+    exported = export.export(jax.jit(_attention(case)),
+                             platforms=["cpu", "cuda", "tpu"])(q, k, v)
   assert {"mosaic_gpu_v2", "tpu_custom_call"} <= _custom_calls(
       exported.mlir_module())
   ref_out, _ = case.call_reference(q, k, v, None)

@@ -710,13 +710,12 @@ def test_sequences_shorter_than_a_tile_are_padded_to_it():
     (dict(), 4096, 4096),  # the fused backward at head dims 64 and 128
     (dict(is_causal=True), 4096, 4096),
 ])
-def test_kernels_lower_under_x64(head_dim, features, t, s, monkeypatch):
+def test_kernels_lower_under_x64(head_dim, features, t, s):
   """With ``jax_enable_x64`` on, Python ints and Python-bounded loop
   indices are 64-bit: forward and gradient through
   ``jflash.dot_product_attention(implementation="mosaic_gpu")`` (GQA, each
   mask feature, soft cap) still trace and lower for CUDA, with every
   kernel's index math in int32."""
-  monkeypatch.setattr(mosaic_gpu, "_is_hopper", lambda: True)
   rng = _rng()
   batch, n, k = 2, 4, 2
   q = jax.ShapeDtypeStruct((batch, t, n, head_dim), jnp.bfloat16)
@@ -736,7 +735,7 @@ def test_kernels_lower_under_x64(head_dim, features, t, s, monkeypatch):
                                        **extra)
     return jnp.sum(out.astype(jnp.float32))
 
-  with jax.enable_x64(True):
+  with jax.enable_x64(True), mosaic_gpu.lowering_for_hopper():
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
         q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   fused = mosaic_gpu.default_config(
@@ -813,3 +812,23 @@ def test_earlier_visitors_and_visited_per_slot(slots):
   with pytest.raises(ValueError, match="slots"):
     schedule.earlier_visitors(jnp.asarray(visits), jnp.asarray(steps),
                               slots=0)
+
+
+def test_lowering_for_hopper_is_scoped():
+  """Off a Hopper host the backend declines; inside
+  ``lowering_for_hopper`` the same call lowers for CUDA with Mosaic GPU
+  kernels; after the context the decline is back."""
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+  def run(q):
+    return jflash.dot_product_attention(q, q, q, implementation="mosaic_gpu")
+
+  def lower():
+    return jax.jit(run).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+
+  with pytest.raises(NotImplementedError, match="Hopper"):
+    lower()
+  with mosaic_gpu.lowering_for_hopper():
+    assert "custom_call @mosaic_gpu" in lower()
+  with pytest.raises(NotImplementedError, match="Hopper"):
+    lower()

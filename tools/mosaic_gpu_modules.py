@@ -124,8 +124,12 @@ def _save(path: str, only: list[str], x64: bool, text_dir: str | None):
 
   if x64:
     jax.config.update("jax_enable_x64", True)
-  # Lowering for CUDA from a host without a Hopper GPU.
-  mosaic_gpu._is_hopper = lambda: True  # noqa: SLF001
+  # Lowering for CUDA from a host without a Hopper GPU.  Trees older than
+  # lowering_for_hopper have their device check replaced instead.
+  if hasattr(mosaic_gpu, "lowering_for_hopper"):
+    mosaic_gpu.lowering_for_hopper().__enter__()
+  else:
+    mosaic_gpu._is_hopper = lambda: True  # noqa: SLF001
   results = {}
   for cell in _cells():
     name = _name(*cell)

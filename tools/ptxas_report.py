@@ -87,7 +87,7 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None,
   if plugin:
     # Lowering for CUDA on the CPU: the backend's device check stands down.
     from jflash.backends import mosaic_gpu  # noqa: PLC0415
-    mosaic_gpu._is_hopper = lambda: True
+    mosaic_gpu.lowering_for_hopper().__enter__()
     compile_offline = _offline_compiler(plugin)
   for head_dim in head_dims:
     if head_dim > 128 and fields.get("fuse_dq"):

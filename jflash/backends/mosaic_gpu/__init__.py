@@ -16,6 +16,8 @@ atomics, so reruns are bitwise identical.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -40,14 +42,41 @@ from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
 Array = jax.Array
 
 __all__ = ["MosaicGpuBackend", "MosaicGpuConfig", "default_config",
-           "tuned_config"]
+           "lowering_for_hopper", "tuned_config"]
 
 
 def _decline(reason: str):
   raise NotImplementedError(f"mosaic_gpu: {reason}")
 
 
+_LOWERING_FOR_HOPPER = contextvars.ContextVar("lowering_for_hopper",
+                                              default=False)
+
+
+@contextlib.contextmanager
+def lowering_for_hopper():
+  """Within this context the backend takes the target for a Hopper GPU
+  whatever this host has, so that a program can be lowered or exported for
+  an H100/H200 from a host without one (``jax.export`` with
+  ``platforms=["cuda"]``, or ``.trace(...).lower(lowering_platforms=
+  ("cuda",))``).  The kernels need compute capability 9.0: run the result
+  on Hopper GPUs only.
+
+  Example::
+
+    with jflash.backends.mosaic_gpu.lowering_for_hopper():
+      exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+  """
+  token = _LOWERING_FOR_HOPPER.set(True)
+  try:
+    yield
+  finally:
+    _LOWERING_FOR_HOPPER.reset(token)
+
+
 def _is_hopper() -> bool:
+  if _LOWERING_FOR_HOPPER.get():
+    return True
   try:
     device = jax.devices()[0]
   except RuntimeError:
