@@ -169,8 +169,8 @@ def test_fused_backward_ranks_order_every_query_tile(dq_slots):
   slots = mosaic_gpu._fused_slots(plan.config, pads)
   assert slots == min(dq_slots, pads.kv_pad // (2 * bk))
   order, count, _, ranks, visited = map(
-      np.asarray, mosaic_gpu._fused_keys_metadata(mask, bq, bk, pads,
-                                                  slots=slots))
+      np.asarray, schedule.fused_keys_metadata(mask, bq, bk, pads,
+                                                slots=slots))
   assert visited.shape[:2] == (slots, batch)
   visible = np.asarray(mask.visibility())[:, 0]
   for b in range(batch):
@@ -358,7 +358,7 @@ def test_classes_per_step_matches_direct_lookup():
   order = jnp.asarray(np.stack([np.stack([rng.permutation(m)
                                           for _ in range(n)])
                                 for _ in range(batch)]), jnp.int32)
-  got = np.asarray(mosaic_gpu._classes_per_step(classes, order))
+  got = np.asarray(schedule.classes_per_step(classes, order))
   c, o = np.asarray(classes), np.asarray(order)
   for b in range(batch):
     for i in range(n):
@@ -405,7 +405,7 @@ def test_schedule_covers_every_visible_pair():
                           config=MosaicGpuConfig().resolved(128), head_dim=128)
   config = plan.config
   pads = mosaic_gpu._padding(mask, plan)
-  order, count, classes, block_order = mosaic_gpu._rows_metadata(
+  order, count, classes, block_order = schedule.rows_metadata(
       mask, config.block_q, config.block_kv, pads)
   # CTAs take every row block of every batch row exactly once.
   np.testing.assert_array_equal(np.sort(np.asarray(block_order)),
@@ -431,9 +431,9 @@ def test_schedule_covers_every_visible_pair():
             assert tile.shape == (bq, bk) and tile.all()
 
 
-@pytest.mark.parametrize("make,keys_per_cta", [("_keys_metadata", 2),
-                                               ("_shared_keys_metadata", 1),
-                                               ("_fused_keys_metadata", 2)])
+@pytest.mark.parametrize("make,keys_per_cta", [("keys_metadata", 2),
+                                               ("shared_keys_metadata", 1),
+                                               ("fused_keys_metadata", 2)])
 def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
   """The dK/dV CTA schedules (each consumer with its own keys, both on the
   same keys, or the fused backward's decreasing order) visit every query
@@ -451,10 +451,10 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
                           config=MosaicGpuConfig().resolved(256), head_dim=256)
   bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
   pads = mosaic_gpu._padding(mask, plan)
-  metadata = getattr(mosaic_gpu, make)(mask, bq, bk, pads)
+  metadata = getattr(schedule, make)(mask, bq, bk, pads)
   order, count, classes = map(np.asarray, metadata[:3])
   assert order.shape[1] * keys_per_cta * bk == pads.kv_pad
-  if make != "_fused_keys_metadata":  # its CTAs go in key-block order
+  if make != "fused_keys_metadata":  # its CTAs go in key-block order
     # CTAs take every key block of every batch row exactly once.
     np.testing.assert_array_equal(np.sort(np.asarray(metadata[3])),
                                   np.arange(count.size))
@@ -541,13 +541,13 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
                                    dict(window=(100, 30)),
                                    dict(is_causal=True, window=(257, 0)),
                                    dict()])
-@pytest.mark.parametrize("make", ["_rows_metadata", "_keys_metadata",
-                                  "_shared_keys_metadata"])
+@pytest.mark.parametrize("make", ["rows_metadata", "keys_metadata",
+                                  "shared_keys_metadata"])
 def test_shape_only_schedules_become_constants(rules, make):
   """Without lengths or segment ids the schedule depends on shapes alone;
   it is then built while tracing (constants in the graph) and must equal
   the one built per call."""
-  make = getattr(mosaic_gpu, make)
+  make = getattr(schedule, make)
   mask = masks.AttentionMask(batch=3, q_len=777, kv_len=1000, **rules)
   plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),

@@ -206,105 +206,10 @@ def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
               kv_segments=segments.get("kv_segments"))
 
 
-def _classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
-             pads: _Padded) -> Array:
-  """int32 tile classes covering the padded extent (extra tiles EMPTY),
-  ``[B, Tp / block_q, Sp / block_kv]``."""
-  classes = masks.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
-  classes = pad_axis(classes, 1, pads.q_pad // block_q)
-  return pad_axis(classes, 2, pads.kv_pad // block_kv)
-
-
-def _classes_per_step(classes: Array, order: Array) -> Array:
-  """The class each of a CTA's two consumers meets at each step.
-
-  Args:
-    classes: ``[B, 2 * n, m]``: tile classes at one consumer's block along
-      the CTA's axis (rows ``2 i`` and ``2 i + 1`` belong to CTA ``i``).
-    order: ``[B, n, m]``: the CTA's visiting order along the other axis.
-
-  Returns:
-    ``[B, n, m, 2]``: ``classes[b, 2 i + w, order[b, i, s]]`` at ``[b, i, s,
-    w]``.
-  """
-  batch, rows, cols = classes.shape
-  pairs = classes.reshape(batch, rows // 2, 2, cols)
-  picked = jnp.take_along_axis(pairs, order[:, :, None, :], axis=3)
-  return jnp.swapaxes(picked, 2, 3)
-
-
-def _kv_schedule(mask, block_q, block_kv, pads):
-  """Per ``block_q`` query rows: nonempty key tiles first, and their count."""
-  sched = masks.tile_schedule(mask, block_q, block_kv)
-  order = pad_axis(pad_axis(sched.kv_order, 1, pads.q_pad // block_q), 2,
-                    pads.kv_pad // block_kv)
-  return order, pad_axis(sched.kv_count, 1, pads.q_pad // block_q)
-
-
-def _q_schedule(mask, block_q, block_kv, pads):
-  """Per ``block_kv`` keys: nonempty query tiles first, and their count."""
-  sched = masks.tile_schedule(mask, block_q, block_kv)
-  order = pad_axis(pad_axis(sched.q_order, 1, pads.kv_pad // block_kv), 2,
-                    pads.q_pad // block_q)
-  return order, pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
-
-
-def _rows_metadata(mask, block_q, block_kv, pads):
-  """Forward/dQ: per CTA of ``2 * block_q`` query rows, the key tiles to
-  visit, their count, each consumer's class at each step, and the order in
-  which CTAs take the row blocks (longest first)."""
-  order, count = _kv_schedule(mask, 2 * block_q, block_kv, pads)
-  classes = _classes(mask, block_q, block_kv, pads)
-  return (order, count, _classes_per_step(classes, order),
-          schedule.heaviest_first(count))
-
-
-def _keys_metadata(mask, block_q, block_kv, pads):
-  """dK/dV: per CTA of ``2 * block_kv`` keys, the query tiles to visit,
-  their count, each consumer's class at each step, and the order in which
-  CTAs take the key blocks (longest first)."""
-  order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
-  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
-  return (order, count, _classes_per_step(classes, order),
-          schedule.heaviest_first(count))
-
-
-def _shared_keys_metadata(mask, block_q, block_kv, pads):
-  """dK/dV with split outputs: per CTA of ``block_kv`` keys (both consumers
-  take the same keys), the query tiles to visit, their count, the class at
-  each step (the same for both consumers), and the order in which CTAs
-  take the key blocks."""
-  order, count = _q_schedule(mask, block_q, block_kv, pads)
-  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
-  per_step = jnp.take_along_axis(classes, order, axis=2)
-  return (order, count, jnp.stack([per_step, per_step], axis=-1),
-          schedule.heaviest_first(count))
-
-
 def _fused_slots(config, pads: _Padded) -> int:
   """dQ accumulators of the fused backward: as configured, but no more than
   there are key blocks (CTAs) per row."""
   return min(config.dq_slots, pads.kv_pad // (2 * config.block_kv_dkv))
-
-
-def _fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
-  """The fused backward's metadata: the dK/dV schedule with each key
-  block's query tiles in decreasing order, the rank of each step's query
-  tile among the key blocks of the same accumulator visiting it (``[B,
-  Sp / (2 block_kv), Tp / block_q]``), and which query tiles each
-  accumulator receives (``[slots, B, Tp / block_q]``)."""
-  order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
-  # Nonempty query tiles in decreasing order: under a causal mask every key
-  # block then starts on the last tile, and a tile's contributors come one
-  # right after another.
-  order = schedule.visited_in_reverse(order, count)
-  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
-  classes = _classes_per_step(classes, order)
-  visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
-  visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
-                    pads.kv_pad // (2 * block_kv))
-  ranks = schedule.earlier_visitors(visits, order, slots)
-  return order, count, classes, ranks, schedule.visited_per_slot(visits, slots)
 
 
 def _metadata(make, mask: masks.AttentionMask, block_q: int, block_kv: int,
@@ -334,7 +239,7 @@ def _forward(q, k, v, mask, plan: _Plan):
   pads = _padding(mask, plan)
   qp, kp, vp = _pad_inputs(q, k, v, pads)
   order, count, classes, block_order = _metadata(
-      _rows_metadata, mask, c.block_q, c.block_kv, pads)
+      schedule.rows_metadata, mask, c.block_q, c.block_kv, pads)
   out, lse = forward.forward_kernel_call(
       qp, kp, vp, kv_order=order, kv_count=count, classes=classes,
       block_order=block_order,
@@ -423,8 +328,8 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   if c.fuse_dq:
     slots = _fused_slots(c, pads)
     order, count, classes, ranks, visited = _metadata(
-        _fused_keys_metadata, mask, c.block_q_dkv, c.block_kv_dkv, pads,
-        slots)
+        schedule.fused_keys_metadata, mask, c.block_q_dkv, c.block_kv_dkv,
+        pads, slots)
     dq_sums, dk, dv = backward_fused.fused_backward_call(
         qp, kp, vp, dop, stats, q_order=order, q_count=count,
         classes=classes, ranks=ranks, block_q=c.block_q_dkv,
@@ -442,7 +347,7 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
     return dq[:, :t, :, :h], dk[:, :s, :, :h], dv[:, :s, :, :h]
 
   order, count, classes, block_order = _metadata(
-      _rows_metadata, mask, c.block_q_dq, c.block_kv_dq, pads)
+      schedule.rows_metadata, mask, c.block_q_dq, c.block_kv_dq, pads)
   dq = backward_dq.dq_kernel_call(
       qp, kp, vp, dop, stats, kv_order=order, kv_count=count,
       classes=classes, block_order=block_order, block_q=c.block_q_dq,
@@ -451,9 +356,10 @@ def _backward(q, k, v, out, lse, d_out, d_lse, mask, plan: _Plan):
   # At head dim 256 one warpgroup cannot hold both dK and dV accumulators:
   # the two consumers then share their keys, one output each.
   split_outputs = pads.head_pad > 128
+  make = (schedule.shared_keys_metadata if split_outputs
+          else schedule.keys_metadata)
   order, count, classes, block_order = _metadata(
-      _shared_keys_metadata if split_outputs else _keys_metadata, mask,
-      c.block_q_dkv, c.block_kv_dkv, pads)
+      make, mask, c.block_q_dkv, c.block_kv_dkv, pads)
   dk, dv = backward_dkv.dkv_kernel_call(
       qp, kp, vp, dop, stats, q_order=order, q_count=count, classes=classes,
       block_order=block_order,

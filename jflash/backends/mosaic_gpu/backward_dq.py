@@ -12,6 +12,8 @@ logsumexp, forms ``dS = P * (dO V^T - delta)`` and adds ``dS K`` (see
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -50,65 +52,93 @@ class _Scratch:
   v_free: Any
 
 
-def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
-                   kv_order: Array, kv_count: Array, classes: Array,
-                   block_order: Array,
-                   q_lengths: Array | None, kv_lengths: Array | None,
-                   q_segments: Array | None, kv_segments: Array | None,
-                   spec: MaskSpec, logits: LogitTransform, block_q: int,
-                   block_kv: int, stages: int,
-                   overlap_sdp: bool = False,
-                   q_pad: int | None = None,
-                   kv_pad: int | None = None) -> Array:
-  """dQ on padded inputs (layouts as in
-  :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
+@dataclasses.dataclass(frozen=True)
+class _DqKernel:
+  """The dQ kernel's static parameters (see :func:`dq_kernel_call`);
+  :meth:`setup` is its kernel for :func:`common.warp_specialized_kernel`."""
 
-  Args:
-    stats: float32 ``[B, N, 2, Tp]``: the base-2 logsumexp (``+inf`` for
-      rows that see nothing) and ``delta``.
-    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
-      block.
-    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
-      the tile visited at each step for each consumer's ``block_q`` rows.
-    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks
-      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`).
+  spec: MaskSpec
+  logits: LogitTransform
+  items: common.PersistentItems
+  names: tuple[str, ...]  # the optional inputs present, in order
+  block_q: int
+  block_kv: int
+  stages: int
+  head_dim: int
+  dtype: Any
+  group: int  # query heads per K/V head
+  overlap_sdp: bool
+  dp_first: bool  # V streams first and dP is formed before S
+  separate_output: bool  # an output buffer apart from Q
 
-    q_pad, kv_pad: the tiled query and key extents (multiples of the
-      tiles), when the arrays are shorter: their tail tiles are then read
-      through TMA's zero fill and written only within the arrays.  Default:
-      the arrays' lengths.
+  def load_rows(self, smem: _Scratch, wg, q_ref, do_ref, stats_ref,
+                q_seg_ref, head, b, q_block) -> None:
+    """Starts the copies of this consumer's rows of an item: Q, dO, the
+    row statistics and the segment ids."""
+    block_q = self.block_q
+    rows = pl.ds((q_block * 2 + wg) * block_q, block_q)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], smem.q.at[wg],
+                            smem.q_ready.at[4 * wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], smem.do.at[wg],
+                            smem.q_ready.at[4 * wg + 1])
+    plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
+                            smem.stats.at[wg], smem.q_ready.at[4 * wg + 2])
+    if q_seg_ref is not None:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], smem.q_segments.at[wg],
+                              smem.q_ready.at[4 * wg + 3])
 
-  Returns:
-    ``dq`` shaped as ``q``, in the input dtype.
-  """
-  batch, q_rows, num_heads, head_dim = q.shape
-  q_pad = q_pad or q_rows
-  del kv_pad  # the schedule's tiles cover the keys
-  group = num_heads // k.shape[2]
-  dtype = q.dtype
-  tile = (block_q, block_kv)
-  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            q_segments=q_segments, kv_segments=kv_segments)
+  def scores(self, smem: _Scratch, slot, *, q_smem, do_smem, full, masked,
+             lse2, dp_then_free_v, dp):
+    """A step's ``P`` (and the soft cap's derivative, unless folded into
+    ``P``) from ``Q K^T`` at ring slot ``slot``, and ``dP = dO V^T`` (given
+    as ``dp`` when it came first)."""
+    logits, tile = self.logits, (self.block_q, self.block_kv)
+    overlap_sdp, dp_first = self.overlap_sdp, self.dp_first
 
-  num_q_blocks = q_pad // (2 * block_q)
-  # With one K/V buffer (head dim 256), V is loaded and used first: its next
-  # tile then streams in while this step still works on K (S, dS, dQ), and
-  # the next K while the next step forms dP, instead of both arriving only
-  # after the step has released K.
-  dp_first = stages == 1
+    def s_product(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, smem.k.at[slot].transpose((1, 0)))
 
-  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
-  segments = spec.has_segments
-  # With room for a separate output buffer, the next item's Q, dO and row
-  # statistics load as soon as this item's loop ends, while its dQ is
-  # written.
-  separate_output = _dq_smem_bytes(
-      block_q, block_kv, stages, head_dim, dtype, segments,
-      separate_output=True) <= common.SMEM_LIMIT_BYTES
+    if overlap_sdp and not dp_first:
+      # Both products issued at once; P is formed while dP is
+      # computed.  (With one K/V buffer dP already comes first.)
+      plgpu.barrier_wait(smem.v_ready.at[slot])
 
-  def setup(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-            class_ref, block_order_ref, *rest):
+      def products(s_ref, dp_ref):
+        s_product(s_ref)
+        plgpu.wgmma(dp_ref, do_smem, smem.v.at[slot].transpose((1, 0)))
+        p, derivative = probabilities(
+            plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits,
+            full, masked, lse2)
+        return p, derivative, dp_ref[...]
+      p, derivative, dp = pl.run_scoped(
+          products, plgpu.ACC(tile, jnp.float32),
+          plgpu.ACC(tile, jnp.float32))
+      plgpu.barrier_arrive(smem.v_free.at[slot])
+    else:
+      def qk_product(acc_ref):
+        s_product(acc_ref)
+        return acc_ref[...]
+      qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
+      p, derivative = probabilities(qk, logits, full, masked, lse2)
+      if derivative is not None:
+        # Only dS reads P here: fold the soft cap's derivative in
+        # before dP's tile becomes live (offline ptxas: 96 bytes of
+        # spill stores at head dim 64 otherwise).
+        p, derivative = p * derivative, None
+      if not dp_first:
+        dp = dp_then_free_v()
+    return p, derivative, dp
+
+  def setup(self, q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref,
+            count_ref, class_ref, block_order_ref, *rest):
+    """The kernel on its global-memory refs (the inputs, the optional
+    inputs present, then ``dq``): returns the body that runs on the scratch
+    buffers."""
+    spec, logits, items, names = self.spec, self.logits, self.items, self.names
+    block_q, block_kv, stages = self.block_q, self.block_kv, self.stages
+    head_dim, dtype, group = self.head_dim, self.dtype, self.group
+    dp_first, separate_output = self.dp_first, self.separate_output
+    tile = (block_q, block_kv)
     named = dict(zip(names, rest[:len(names)]))
     (dq_ref,) = rest[len(names):]
     cta = lax.axis_index("ctas")
@@ -117,19 +147,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
 
     def body(smem: _Scratch):
 
-      def load_rows(head, b, q_block):
-        """Starts the copies of this consumer's rows of an item: Q, dO, the
-        row statistics and the segment ids."""
-        rows = pl.ds((q_block * 2 + wg) * block_q, block_q)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], smem.q.at[wg],
-                                smem.q_ready.at[4 * wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], smem.do.at[wg],
-                                smem.q_ready.at[4 * wg + 1])
-        plgpu.copy_gmem_to_smem(stats_ref.at[b, head, :, rows],
-                                smem.stats.at[wg], smem.q_ready.at[4 * wg + 2])
-        if q_seg_ref is not None:
-          plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], smem.q_segments.at[wg],
-                                  smem.q_ready.at[4 * wg + 3])
+      load_rows = functools.partial(self.load_rows, smem, wg, q_ref, do_ref,
+                                    stats_ref, q_seg_ref)
 
       def consume_item(head, b, q_block, first_step, next_item):
         """One consumer's dQ rows of an item whose first K/V tile sits at
@@ -192,6 +211,7 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
             plgpu.barrier_wait(smem.kv_segments_ready.at[slot])
             if dp_first:
               kv_seg_cols = plgpu.load(smem.kv_segments.at[slot], layout=COL)
+          dp = None
           if dp_first:
             dp = dp_then_free_v()
           plgpu.barrier_wait(smem.k_ready.at[slot])
@@ -208,38 +228,9 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                                   q_length=q_length, kv_length=kv_length,
                                   q_seg=q_seg, kv_seg=kv_seg)
 
-          def s_product(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, smem.k.at[slot].transpose((1, 0)))
-
-          if overlap_sdp and not dp_first:
-            # Both products issued at once; P is formed while dP is
-            # computed.  (With one K/V buffer dP already comes first.)
-            plgpu.barrier_wait(smem.v_ready.at[slot])
-
-            def products(s_ref, dp_ref):
-              s_product(s_ref)
-              plgpu.wgmma(dp_ref, do_smem, smem.v.at[slot].transpose((1, 0)))
-              p, derivative = probabilities(
-                  plgpu.wgmma_accumulator_load(s_ref, wait_n=1), logits,
-                  full, masked, lse2)
-              return p, derivative, dp_ref[...]
-            p, derivative, dp = pl.run_scoped(
-                products, plgpu.ACC(tile, jnp.float32),
-                plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(smem.v_free.at[slot])
-          else:
-            def qk_product(acc_ref):
-              s_product(acc_ref)
-              return acc_ref[...]
-            qk = pl.run_scoped(qk_product, plgpu.ACC(tile, jnp.float32))
-            p, derivative = probabilities(qk, logits, full, masked, lse2)
-            if derivative is not None:
-              # Only dS reads P here: fold the soft cap's derivative in
-              # before dP's tile becomes live (offline ptxas: 96 bytes of
-              # spill stores at head dim 64 otherwise).
-              p, derivative = p * derivative, None
-            if not dp_first:
-              dp = dp_then_free_v()
+          p, derivative, dp = self.scores(
+              smem, slot, q_smem=q_smem, do_smem=do_smem, full=full,
+              masked=masked, lse2=lse2, dp_then_free_v=dp_then_free_v, dp=dp)
           ds = score_gradient(p, dp, delta, derivative)
 
           def dq_product(acc_ref):
@@ -286,6 +277,68 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       common.split_warpgroups(wg, consumer, producer)
     return body
 
+
+def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
+                   kv_order: Array, kv_count: Array, classes: Array,
+                   block_order: Array,
+                   q_lengths: Array | None, kv_lengths: Array | None,
+                   q_segments: Array | None, kv_segments: Array | None,
+                   spec: MaskSpec, logits: LogitTransform, block_q: int,
+                   block_kv: int, stages: int,
+                   overlap_sdp: bool = False,
+                   q_pad: int | None = None,
+                   kv_pad: int | None = None) -> Array:
+  """dQ on padded inputs (layouts as in
+  :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
+
+  Args:
+    stats: float32 ``[B, N, 2, Tp]``: the base-2 logsumexp (``+inf`` for
+      rows that see nothing) and ``delta``.
+    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
+      block.
+    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
+      the tile visited at each step for each consumer's ``block_q`` rows.
+    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
+      take query blocks
+      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first`).
+
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
+  Returns:
+    ``dq`` shaped as ``q``, in the input dtype.
+  """
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad = q_pad or q_rows
+  del kv_pad  # the schedule's tiles cover the keys
+  group = num_heads // k.shape[2]
+  dtype = q.dtype
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            q_segments=q_segments, kv_segments=kv_segments)
+
+  num_q_blocks = q_pad // (2 * block_q)
+  # With one K/V buffer (head dim 256), V is loaded and used first: its next
+  # tile then streams in while this step still works on K (S, dS, dQ), and
+  # the next K while the next step forms dP, instead of both arriving only
+  # after the step has released K.
+  dp_first = stages == 1
+
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
+  segments = spec.has_segments
+  # With room for a separate output buffer, the next item's Q, dO and row
+  # statistics load as soon as this item's loop ends, while its dQ is
+  # written.
+  separate_output = _dq_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      separate_output=True) <= common.SMEM_LIMIT_BYTES
+
+  kernel = _DqKernel(
+      spec=spec, logits=logits, items=items, names=tuple(names),
+      block_q=block_q, block_kv=block_kv, stages=stages, head_dim=head_dim,
+      dtype=dtype, group=group, overlap_sdp=overlap_sdp, dp_first=dp_first,
+      separate_output=separate_output)
   rows_tile = common.smem_tile((2, block_q, head_dim), dtype)
   scratch = _Scratch(
       q=rows_tile, do=rows_tile,
@@ -304,8 +357,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   return common.warp_specialized_kernel(
-      setup, (q, k, v, do, stats, kv_order, kv_count, classes, block_order,
-              *extras),
+      kernel.setup,
+      (q, k, v, do, stats, kv_order, kv_count, classes, block_order, *extras),
       scratch=scratch, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       grid=(items.num_ctas,), grid_names=("ctas",), kernel_name="jflash_dq")
 

@@ -53,6 +53,7 @@ consumer's registers at 256).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -91,71 +92,150 @@ class _Scratch:
   dq_free: Any
 
 
-def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
-                        stats: Array, *, q_order: Array, q_count: Array,
-                        classes: Array, ranks: Array,
-                        q_lengths: Array | None, kv_lengths: Array | None,
-                        q_segments: Array | None, kv_segments: Array | None,
-                        spec: MaskSpec, logits: LogitTransform, block_q: int,
-                        block_kv: int, stages: int,
-                        slots: int = 1,
-                        overlap_sdp: bool = False,
-                        q_pad: int | None = None,
-                        kv_pad: int | None = None
-                        ) -> tuple[Array, Array, Array]:
-  """dQ (unscaled, float32), dK and dV on padded inputs.
+@dataclasses.dataclass(frozen=True)
+class _FusedKernel:
+  """The fused backward's static parameters (see
+  :func:`fused_backward_call`); :meth:`setup` is its kernel for
+  :func:`common.warp_specialized_kernel`."""
 
-  Args:
-    q, do: ``[B, Tp, N, Hp]``; k, v: ``[B, Sp, K, Hp]``, ``Hp`` 64 or 128.
-    stats: float32 ``[B, N, 2, Tp]``: base-2 logsumexp (``+inf`` for rows
-      that see nothing) and ``delta``.
-    q_order, q_count, classes: the dK/dV schedule at ``2 * block_kv`` keys
-      per CTA, as for
-      :func:`~jflash.backends.mosaic_gpu.backward_dkv.dkv_kernel_call`.
-    ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
-      ``q_order``, how many key blocks before this one and of the same
-      accumulator visit the same query tile
-      (:func:`~jflash.backends.mosaic_gpu.schedule.earlier_visitors` with
-      ``slots``).
-    slots: the number of dQ accumulators.
-    q_pad, kv_pad: the tiled query and key extents (multiples of the
-      tiles), when the arrays are shorter: their tail tiles are then read
-      through TMA's zero fill and written only within the arrays.  Default:
-      the arrays' lengths.
+  spec: MaskSpec
+  logits: LogitTransform
+  names: tuple[str, ...]  # the optional inputs present, in order
+  block_q: int
+  block_kv: int
+  stages: int
+  head_dim: int
+  dtype: Any
+  group: int  # query heads per K/V head
+  batch: int
+  num_heads: int
+  num_q_tiles: int
+  slots: int
+  overlap_sdp: bool
+  stagings: int  # dQ staging buffers: one per consumer, or one for both
 
-  Returns:
-    ``dq_sums [slots * B, Tp, N, Hp]`` float32, accumulator ``r`` of batch
-    row ``b`` at ``r * B + b``: the sum of ``dS K`` over the visiting key
-    blocks ``j`` with ``j % slots == r`` (summed over ``r`` and times
-    ``scale`` it is dQ; rows of query tiles that no such key block visits
-    are left unwritten), and ``dk``, ``dv`` shaped as ``k``, in the input
-    dtype.
-  """
-  batch, q_rows, num_heads, head_dim = q.shape
-  q_pad, kv_pad = q_pad or q_rows, kv_pad or k.shape[1]
-  num_kv_heads = k.shape[2]
-  if head_dim > 128:
-    raise ValueError(f"the fused backward serves head dims up to 128, got "
-                     f"{head_dim}")
-  if slots < 1:
-    raise ValueError(f"slots must be at least 1, got {slots}")
-  group = num_heads // num_kv_heads
-  num_q_tiles = q_pad // block_q
-  dtype = q.dtype
-  tile = (block_kv, block_q)  # transposed: keys are the rows here
-  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            q_segments=q_segments, kv_segments=kv_segments)
-  # One dQ staging buffer per consumer where they fit (step i's
-  # contribution comes from consumer i % 2), else one for both.
-  stagings = 2 if _fused_smem_bytes(
-      block_q, block_kv, stages, head_dim, dtype, spec.has_segments,
-      stagings=2) <= common.SMEM_LIMIT_BYTES else 1
+  def staging_of(self, i):
+    return lax.rem(i, common.i32(2)) if self.stagings == 2 else 0
 
-  def staging_of(i):
-    return lax.rem(i, common.i32(2)) if stagings == 2 else 0
+  def products(self, smem: _Scratch, slot, *, k_smem, v_smem, full, mask,
+               dk, dv, wait_ds_slot, stage_ds):
+    """A step's dV and dK products from ring slot ``slot``, added to ``dv``
+    and ``dk``, its dS handed to ``stage_ds`` once ``wait_ds_slot()`` has
+    waited for its slot."""
+    logits, dtype, tile = self.logits, self.dtype, (self.block_kv,
+                                                    self.block_q)
+    overlap_sdp = self.overlap_sdp
+    if logits.soft_cap is not None and not overlap_sdp:
+      # dV's product first, as in the two-pass dK/dV kernel.
+      p, derivative = smem.ring.probabilities(
+          slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
+          mask=mask)
+      wait_ds_slot()
+      dv, dk = smem.ring.dv_first_products(
+          slot, p, derivative, v_smem=v_smem, tile=tile, dtype=dtype,
+          dv=dv, dk=dk, ds_sink=stage_ds)
+    else:
+      p, derivative, dp, delta = smem.ring.scores(
+          slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
+          full=full, mask=mask, want_dp=True, together=overlap_sdp)
+      ds = score_gradient(p, dp, delta, derivative)
+      wait_ds_slot()
 
-  def setup(q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref, count_ref,
-            class_ref, rank_ref, *rest):
+      def dv_dk_products(refs):
+        dv_ref, dk_ref = refs
+        plgpu.wgmma(dv_ref, p.astype(dtype), smem.ring.do.at[slot])
+        ds_low = ds.astype(dtype)
+        stage_ds(ds_low)
+        plgpu.wgmma(dk_ref, ds_low, smem.ring.q.at[slot])
+      dv, dk = pl.run_state(dv_dk_products)(
+          (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+    return dk, dv
+
+  def dq_contribution(self, smem: _Scratch, wg, turn, zero, i) -> None:
+    """On the consumer whose turn it is: step ``i``'s dQ contribution, both
+    dS tiles times both K tiles, staged for the writer."""
+    block_q, head_dim, stagings = self.block_q, self.head_dim, self.stagings
+
+    @pl.when(wg == turn)
+    def _dq_contribution():
+      plgpu.barrier_wait(smem.ds_ready.at[turn])
+
+      def dq_product(acc_ref):
+        for w in range(2):
+          plgpu.wgmma(acc_ref, smem.ds.at[turn, w].transpose((1, 0)),
+                      smem.k.at[w + zero])
+        return acc_ref[...]
+      contribution = pl.run_scoped(
+          dq_product, plgpu.ACC((block_q, head_dim), jnp.float32))
+      plgpu.barrier_arrive(smem.ds_free.at[turn])
+      staging = self.staging_of(i)
+      if stagings == 2:
+        # This consumer's own buffer, last filled two steps ago: only
+        # it waits for the writer to have read it.
+        @pl.when(i >= 2)
+        def _():
+          plgpu.barrier_wait(smem.dq_free.at[staging])
+      smem.dq.at[staging][...] = contribution
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(smem.dq_ready.at[staging])
+
+  def write_dq(self, smem: _Scratch, *, steps, count, head_and_tile, turns,
+               acc_row, rank_ref, dq_ref, b, kv_block) -> None:
+    """The writer: adds the staged contributions in rank order."""
+    block_q, num_heads = self.block_q, self.num_heads
+    num_q_tiles, staging_of = self.num_q_tiles, self.staging_of
+
+    def turn_of(i):
+      head, q_tile = head_and_tile(i)
+      return turns.at[(acc_row * num_heads + head) * num_q_tiles
+                      + q_tile]
+
+    @pl.loop(0, steps)
+    def _add(i):
+      head, q_tile = head_and_tile(i)
+      rank = rank_ref[b, kv_block, lax.rem(i, count)]
+      target = dq_ref.at[acc_row, pl.ds(q_tile * block_q, block_q), head]
+      staging = staging_of(i)
+      plgpu.barrier_wait(smem.dq_ready.at[staging])
+      plgpu.semaphore_wait(turn_of(i), rank, decrement=False,
+                           memory_scope="gpu")
+
+      @pl.when(rank == 0)
+      def _():
+        plgpu.copy_smem_to_gmem(smem.dq.at[staging], target)
+
+      @pl.when(rank > 0)
+      def _():
+        plgpu.copy_smem_to_gmem(smem.dq.at[staging], target,
+                                reduction_op="add")
+      # The staging buffer is free once read; the consumers go on while
+      # the add travels to global memory.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(smem.dq_free.at[staging])
+
+      # The previous step's add is complete once at most this one is in
+      # flight: only then may the next key block add to its tile.
+      @pl.when(i > 0)
+      def _():
+        plgpu.wait_smem_to_gmem(1)
+        plgpu.semaphore_signal(turn_of(i - 1), 1, memory_scope="gpu")
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.wait_smem_to_gmem(0)
+      plgpu.semaphore_signal(turn_of(steps - 1), 1, memory_scope="gpu")
+
+  def setup(self, q_ref, k_ref, v_ref, do_ref, stats_ref, order_ref,
+            count_ref, class_ref, rank_ref, *rest):
+    """The kernel on its global-memory refs (the inputs, the optional
+    inputs present, then ``dq_sums``, ``dk`` and ``dv``): returns the body
+    that runs on the scratch buffers."""
+    spec, logits, names = self.spec, self.logits, self.names
+    block_q, block_kv, stages = self.block_q, self.block_kv, self.stages
+    head_dim, dtype, group = self.head_dim, self.dtype, self.group
+    batch, num_heads, slots = self.batch, self.num_heads, self.slots
+    num_q_tiles, stagings = self.num_q_tiles, self.stagings
+    tile = (block_kv, block_q)  # transposed: keys are the rows here
     named = dict(zip(names, rest[:len(names)]))
     dq_ref, dk_ref, dv_ref = rest[len(names):]
     b = lax.axis_index("batch")
@@ -227,30 +307,9 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
           def stage_ds(ds_low):
             smem.ds.at[turn, wg][...] = ds_low
 
-          if logits.soft_cap is not None and not overlap_sdp:
-            # dV's product first, as in the two-pass dK/dV kernel.
-            p, derivative = smem.ring.probabilities(
-                slot, k_smem=k_smem, tile=tile, logits=logits, full=full,
-                mask=mask)
-            wait_ds_slot()
-            dv, dk = smem.ring.dv_first_products(
-                slot, p, derivative, v_smem=v_smem, tile=tile, dtype=dtype,
-                dv=dv, dk=dk, ds_sink=stage_ds)
-          else:
-            p, derivative, dp, delta = smem.ring.scores(
-                slot, k_smem=k_smem, v_smem=v_smem, tile=tile, logits=logits,
-                full=full, mask=mask, want_dp=True, together=overlap_sdp)
-            ds = score_gradient(p, dp, delta, derivative)
-            wait_ds_slot()
-
-            def dv_dk_products(refs):
-              dv_ref, dk_ref = refs
-              plgpu.wgmma(dv_ref, p.astype(dtype), smem.ring.do.at[slot])
-              ds_low = ds.astype(dtype)
-              stage_ds(ds_low)
-              plgpu.wgmma(dk_ref, ds_low, smem.ring.q.at[slot])
-            dv, dk = pl.run_state(dv_dk_products)(
-                (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+          dk, dv = self.products(
+              smem, slot, k_smem=k_smem, v_smem=v_smem, full=full, mask=mask,
+              dk=dk, dv=dv, wait_ds_slot=wait_ds_slot, stage_ds=stage_ds)
           plgpu.commit_smem()
           plgpu.barrier_arrive(smem.ds_ready.at[turn])
           plgpu.barrier_arrive(smem.ring.do_free.at[slot])
@@ -263,28 +322,7 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
             def _():
               plgpu.barrier_wait(smem.dq_free.at[0])
 
-          @pl.when(wg == turn)
-          def _dq_contribution():
-            plgpu.barrier_wait(smem.ds_ready.at[turn])
-
-            def dq_product(acc_ref):
-              for w in range(2):
-                plgpu.wgmma(acc_ref, smem.ds.at[turn, w].transpose((1, 0)),
-                            smem.k.at[w + zero])
-              return acc_ref[...]
-            contribution = pl.run_scoped(
-                dq_product, plgpu.ACC((block_q, head_dim), jnp.float32))
-            plgpu.barrier_arrive(smem.ds_free.at[turn])
-            staging = staging_of(i)
-            if stagings == 2:
-              # This consumer's own buffer, last filled two steps ago: only
-              # it waits for the writer to have read it.
-              @pl.when(i >= 2)
-              def _():
-                plgpu.barrier_wait(smem.dq_free.at[staging])
-            smem.dq.at[staging][...] = contribution
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(smem.dq_ready.at[staging])
+          self.dq_contribution(smem, wg, turn, zero, i)
           return (dk, dv), next_class
 
         zeros = lambda: plgpu.layout_cast(  # noqa: E731
@@ -309,47 +347,10 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       def write_dq():
-        """The writer: adds the staged contributions in rank order."""
-
-        def turn_of(i):
-          head, q_tile = head_and_tile(i)
-          return turns.at[(acc_row * num_heads + head) * num_q_tiles
-                          + q_tile]
-
-        @pl.loop(0, steps)
-        def _add(i):
-          head, q_tile = head_and_tile(i)
-          rank = rank_ref[b, kv_block, lax.rem(i, count)]
-          target = dq_ref.at[acc_row, pl.ds(q_tile * block_q, block_q), head]
-          staging = staging_of(i)
-          plgpu.barrier_wait(smem.dq_ready.at[staging])
-          plgpu.semaphore_wait(turn_of(i), rank, decrement=False,
-                               memory_scope="gpu")
-
-          @pl.when(rank == 0)
-          def _():
-            plgpu.copy_smem_to_gmem(smem.dq.at[staging], target)
-
-          @pl.when(rank > 0)
-          def _():
-            plgpu.copy_smem_to_gmem(smem.dq.at[staging], target,
-                                    reduction_op="add")
-          # The staging buffer is free once read; the consumers go on while
-          # the add travels to global memory.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          plgpu.barrier_arrive(smem.dq_free.at[staging])
-
-          # The previous step's add is complete once at most this one is in
-          # flight: only then may the next key block add to its tile.
-          @pl.when(i > 0)
-          def _():
-            plgpu.wait_smem_to_gmem(1)
-            plgpu.semaphore_signal(turn_of(i - 1), 1, memory_scope="gpu")
-
-        @pl.when(steps > 0)
-        def _():
-          plgpu.wait_smem_to_gmem(0)
-          plgpu.semaphore_signal(turn_of(steps - 1), 1, memory_scope="gpu")
+        self.write_dq(smem, steps=steps, count=count,
+                      head_and_tile=head_and_tile, turns=turns,
+                      acc_row=acc_row, rank_ref=rank_ref, dq_ref=dq_ref, b=b,
+                      kv_block=kv_block)
 
       def producer_and_writer():
 
@@ -366,6 +367,71 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       common.split_warpgroups(wg, consumer, producer_and_writer)
     return body
 
+
+def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
+                        stats: Array, *, q_order: Array, q_count: Array,
+                        classes: Array, ranks: Array,
+                        q_lengths: Array | None, kv_lengths: Array | None,
+                        q_segments: Array | None, kv_segments: Array | None,
+                        spec: MaskSpec, logits: LogitTransform, block_q: int,
+                        block_kv: int, stages: int,
+                        slots: int = 1,
+                        overlap_sdp: bool = False,
+                        q_pad: int | None = None,
+                        kv_pad: int | None = None
+                        ) -> tuple[Array, Array, Array]:
+  """dQ (unscaled, float32), dK and dV on padded inputs.
+
+  Args:
+    q, do: ``[B, Tp, N, Hp]``; k, v: ``[B, Sp, K, Hp]``, ``Hp`` 64 or 128.
+    stats: float32 ``[B, N, 2, Tp]``: base-2 logsumexp (``+inf`` for rows
+      that see nothing) and ``delta``.
+    q_order, q_count, classes: the dK/dV schedule at ``2 * block_kv`` keys
+      per CTA, as for
+      :func:`~jflash.backends.mosaic_gpu.backward_dkv.dkv_kernel_call`.
+    ranks: int32 ``[B, Sp / (2 block_kv), Tp / block_q]``: at each step of
+      ``q_order``, how many key blocks before this one and of the same
+      accumulator visit the same query tile
+      (:func:`~jflash.backends.mosaic_gpu.schedule.earlier_visitors` with
+      ``slots``).
+    slots: the number of dQ accumulators.
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
+  Returns:
+    ``dq_sums [slots * B, Tp, N, Hp]`` float32, accumulator ``r`` of batch
+    row ``b`` at ``r * B + b``: the sum of ``dS K`` over the visiting key
+    blocks ``j`` with ``j % slots == r`` (summed over ``r`` and times
+    ``scale`` it is dQ; rows of query tiles that no such key block visits
+    are left unwritten), and ``dk``, ``dv`` shaped as ``k``, in the input
+    dtype.
+  """
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad, kv_pad = q_pad or q_rows, kv_pad or k.shape[1]
+  num_kv_heads = k.shape[2]
+  if head_dim > 128:
+    raise ValueError(f"the fused backward serves head dims up to 128, got "
+                     f"{head_dim}")
+  if slots < 1:
+    raise ValueError(f"slots must be at least 1, got {slots}")
+  group = num_heads // num_kv_heads
+  num_q_tiles = q_pad // block_q
+  dtype = q.dtype
+  names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                            q_segments=q_segments, kv_segments=kv_segments)
+  # One dQ staging buffer per consumer where they fit (step i's
+  # contribution comes from consumer i % 2), else one for both.
+  stagings = 2 if _fused_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, spec.has_segments,
+      stagings=2) <= common.SMEM_LIMIT_BYTES else 1
+
+  kernel = _FusedKernel(
+      spec=spec, logits=logits, names=tuple(names), block_q=block_q,
+      block_kv=block_kv, stages=stages, head_dim=head_dim, dtype=dtype,
+      group=group, batch=batch, num_heads=num_heads, num_q_tiles=num_q_tiles,
+      slots=slots, overlap_sdp=overlap_sdp, stagings=stagings)
   segments = spec.has_segments
   scratch = _Scratch(
       k=common.smem_tile((2, block_kv, head_dim), dtype),
@@ -384,7 +450,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
   dq_type = jax.ShapeDtypeStruct((slots * batch, q_pad) + q.shape[2:],
                                  jnp.float32)
   return common.warp_specialized_kernel(
-      setup, (q, k, v, do, stats, q_order, q_count, classes, ranks, *extras),
+      kernel.setup,
+      (q, k, v, do, stats, q_order, q_count, classes, ranks, *extras),
       scratch=scratch, out_type=(dq_type, kv_type, kv_type),
       grid=(num_kv_heads, kv_pad // (2 * block_kv), batch),
       grid_names=("heads", "kv_seq", "batch"),

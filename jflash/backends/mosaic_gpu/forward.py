@@ -353,70 +353,35 @@ def _write_output(acc: Array, m: Array, l: Array, o_smem, lse_smem, out_gmem,
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
 
 
-def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
-                        kv_count: Array, classes: Array, block_order: Array,
-                        q_lengths: Array | None, kv_lengths: Array | None,
-                        q_segments: Array | None, kv_segments: Array | None,
-                        spec: MaskSpec, logits: LogitTransform, block_q: int,
-                        block_kv: int, stages: int,
-                        qk_after_pv: bool = False,
-                        q_pad: int | None = None,
-                        kv_pad: int | None = None) -> tuple[Array, Array]:
-  """Runs the forward kernel on padded inputs.
+@dataclasses.dataclass(frozen=True)
+class _ForwardKernel:
+  """The forward kernel's static parameters (see
+  :func:`forward_kernel_call`); :meth:`setup` is its kernel for
+  :func:`common.warp_specialized_kernel`."""
 
-  Args:
-    q: ``[B, Tp, N, Hp]`` with ``Tp`` a multiple of ``2 * block_q`` and
-      ``Hp`` in (64, 128, 256).
-    k, v: ``[B, Sp, K, Hp]`` with ``Sp`` a multiple of ``block_kv``.
-    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
-      block, ``[B, Tp / (2 block_q), Sp / block_kv]`` and ``[B, Tp / (2
-      block_q)]``.
-    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
-      the tile visited at each step of ``kv_order`` for each consumer's
-      ``block_q`` rows (read once per step, with no dependent lookup).
-    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
-      take query blocks
-      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first` of
-      ``kv_count``).
-    q_lengths, kv_lengths: int32 ``[B]`` or None.
-    q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
-    qk_after_pv: issue each step's next ``Q K^T``
-      right behind its ``P V`` within the turn and wait for both together,
-      instead of after ``P V`` has finished.
-    q_pad, kv_pad: the tiled query and key extents (multiples of the
-      tiles), when the arrays are shorter: their tail tiles are then read
-      through TMA's zero fill and written only within the arrays.  Default:
-      the arrays' lengths.
+  spec: MaskSpec
+  logits: LogitTransform
+  items: common.PersistentItems
+  optional_names: tuple[str, ...]  # the optional inputs present, in order
+  block_q: int
+  block_kv: int
+  stages: int
+  head_dim: int
+  dtype: Any
+  group: int  # query heads per K/V head
+  prefetch_q: bool  # an output buffer apart from Q: the next Q loads early
+  qk_after_pv: bool
 
-  Returns:
-    ``out`` shaped as ``q`` and the natural-log logsumexp ``[B, N, Tp]``
-    float32 (``-inf`` for rows that see no key; their output is zero).
-  """
-  batch, q_rows, num_heads, head_dim = q.shape
-  q_pad = q_pad or q_rows
-  del kv_pad  # the schedule's tiles cover the keys
-  num_kv_heads = k.shape[2]
-  group = num_heads // num_kv_heads
-  dtype = q.dtype
-  num_q_blocks = q_pad // (2 * block_q)
-  tile = (block_q, block_kv)
-
-  optional = dict(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                  q_segments=q_segments, kv_segments=kv_segments)
-  optional_names = [n for n, x in optional.items() if x is not None]
-
-  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
-  # With room for an output buffer apart from Q, the next item's Q is
-  # loaded while this item's output is normalized and stored; without (head
-  # dim 256), the output leaves through Q's buffer.
-  segments = spec.has_segments
-  with_output_buffer = _forward_smem_bytes(
-      block_q, block_kv, stages, head_dim, dtype, segments,
-      output_columns=head_dim)
-  prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
-
-  def setup(q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
+  def setup(self, q_ref, k_ref, v_ref, order_ref, count_ref, class_ref,
             block_order_ref, *rest):
+    """The kernel on its global-memory refs (the inputs, the optional
+    inputs present, then ``out`` and ``lse``): returns the body that runs
+    on the scratch buffers."""
+    spec, logits, items = self.spec, self.logits, self.items
+    block_q, block_kv, stages = self.block_q, self.block_kv, self.stages
+    head_dim, dtype, group = self.head_dim, self.dtype, self.group
+    prefetch_q, qk_after_pv = self.prefetch_q, self.qk_after_pv
+    optional_names, tile = self.optional_names, (block_q, block_kv)
     named = dict(zip(optional_names, rest[:len(optional_names)]))
     out_ref, lse_ref = rest[len(optional_names):]
     cta = lax.axis_index("ctas")
@@ -549,8 +514,75 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       common.split_warpgroups(wg, consumer, producer)
     return body
 
+
+def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
+                        kv_count: Array, classes: Array, block_order: Array,
+                        q_lengths: Array | None, kv_lengths: Array | None,
+                        q_segments: Array | None, kv_segments: Array | None,
+                        spec: MaskSpec, logits: LogitTransform, block_q: int,
+                        block_kv: int, stages: int,
+                        qk_after_pv: bool = False,
+                        q_pad: int | None = None,
+                        kv_pad: int | None = None) -> tuple[Array, Array]:
+  """Runs the forward kernel on padded inputs.
+
+  Args:
+    q: ``[B, Tp, N, Hp]`` with ``Tp`` a multiple of ``2 * block_q`` and
+      ``Hp`` in (64, 128, 256).
+    k, v: ``[B, Sp, K, Hp]`` with ``Sp`` a multiple of ``block_kv``.
+    kv_order, kv_count: the tile schedule at ``2 * block_q`` rows per query
+      block, ``[B, Tp / (2 block_q), Sp / block_kv]`` and ``[B, Tp / (2
+      block_q)]``.
+    classes: int32 ``[B, Tp / (2 block_q), Sp / block_kv, 2]``: the class of
+      the tile visited at each step of ``kv_order`` for each consumer's
+      ``block_q`` rows (read once per step, with no dependent lookup).
+    block_order: int32 ``[B * Tp / (2 block_q)]``, the order in which CTAs
+      take query blocks
+      (:func:`~jflash.backends.mosaic_gpu.schedule.heaviest_first` of
+      ``kv_count``).
+    q_lengths, kv_lengths: int32 ``[B]`` or None.
+    q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
+    qk_after_pv: issue each step's next ``Q K^T``
+      right behind its ``P V`` within the turn and wait for both together,
+      instead of after ``P V`` has finished.
+    q_pad, kv_pad: the tiled query and key extents (multiples of the
+      tiles), when the arrays are shorter: their tail tiles are then read
+      through TMA's zero fill and written only within the arrays.  Default:
+      the arrays' lengths.
+
+  Returns:
+    ``out`` shaped as ``q`` and the natural-log logsumexp ``[B, N, Tp]``
+    float32 (``-inf`` for rows that see no key; their output is zero).
+  """
+  batch, q_rows, num_heads, head_dim = q.shape
+  q_pad = q_pad or q_rows
+  del kv_pad  # the schedule's tiles cover the keys
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  dtype = q.dtype
+  num_q_blocks = q_pad // (2 * block_q)
+
+  optional = dict(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                  q_segments=q_segments, kv_segments=kv_segments)
+  optional_names = [n for n, x in optional.items() if x is not None]
+
+  items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
+  # With room for an output buffer apart from Q, the next item's Q is
+  # loaded while this item's output is normalized and stored; without (head
+  # dim 256), the output leaves through Q's buffer.
+  segments = spec.has_segments
+  with_output_buffer = _forward_smem_bytes(
+      block_q, block_kv, stages, head_dim, dtype, segments,
+      output_columns=head_dim)
+  prefetch_q = with_output_buffer <= common.SMEM_LIMIT_BYTES
+
+  kernel = _ForwardKernel(
+      spec=spec, logits=logits, items=items,
+      optional_names=tuple(optional_names), block_q=block_q,
+      block_kv=block_kv, stages=stages, head_dim=head_dim, dtype=dtype,
+      group=group, prefetch_q=prefetch_q, qk_after_pv=qk_after_pv)
   out, lse = common.warp_specialized_kernel(
-      setup,
+      kernel.setup,
       (q, k, v, kv_order, kv_count, classes, block_order,
        *(optional[n] for n in optional_names)),
       scratch=_forward_scratch(block_q, block_kv, stages, head_dim, dtype,
@@ -560,8 +592,6 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       grid=(items.num_ctas,), grid_names=("ctas",),
       kernel_name="jflash_forward")
   return out, lse
-
-
 
 
 def _forward_smem_bytes(block_q: int, block_kv: int, stages: int,

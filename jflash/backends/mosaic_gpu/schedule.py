@@ -3,13 +3,19 @@
 Built on :func:`jflash.masks.tile_schedule`: the order in which CTAs take
 their blocks of work (longest first), and, for the fused backward, each key
 block's query tiles in decreasing order with the position of its dQ
-contribution in a fixed-order sum.
+contribution in a fixed-order sum; and the metadata each kernel gets
+(:func:`rows_metadata`, :func:`keys_metadata`, :func:`shared_keys_metadata`,
+:func:`fused_keys_metadata`), built over the padded extents ``pads.q_pad``
+and ``pads.kv_pad``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jflash import masks
+from jflash.backends.padding import pad_axis
 
 Array = jax.Array
 
@@ -97,3 +103,98 @@ def heaviest_first(count: Array) -> Array:
     ``count``; equal counts keep index order.
   """
   return jnp.argsort(-count.reshape(-1), stable=True).astype(jnp.int32)
+
+
+def _classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
+             pads) -> Array:
+  """int32 tile classes covering the padded extent (extra tiles EMPTY),
+  ``[B, Tp / block_q, Sp / block_kv]``."""
+  classes = masks.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
+  classes = pad_axis(classes, 1, pads.q_pad // block_q)
+  return pad_axis(classes, 2, pads.kv_pad // block_kv)
+
+
+def classes_per_step(classes: Array, order: Array) -> Array:
+  """The class each of a CTA's two consumers meets at each step.
+
+  Args:
+    classes: ``[B, 2 * n, m]``: tile classes at one consumer's block along
+      the CTA's axis (rows ``2 i`` and ``2 i + 1`` belong to CTA ``i``).
+    order: ``[B, n, m]``: the CTA's visiting order along the other axis.
+
+  Returns:
+    ``[B, n, m, 2]``: ``classes[b, 2 i + w, order[b, i, s]]`` at ``[b, i, s,
+    w]``.
+  """
+  batch, rows, cols = classes.shape
+  pairs = classes.reshape(batch, rows // 2, 2, cols)
+  picked = jnp.take_along_axis(pairs, order[:, :, None, :], axis=3)
+  return jnp.swapaxes(picked, 2, 3)
+
+
+def _kv_schedule(mask, block_q, block_kv, pads):
+  """Per ``block_q`` query rows: nonempty key tiles first, and their count."""
+  sched = masks.tile_schedule(mask, block_q, block_kv)
+  order = pad_axis(pad_axis(sched.kv_order, 1, pads.q_pad // block_q), 2,
+                    pads.kv_pad // block_kv)
+  return order, pad_axis(sched.kv_count, 1, pads.q_pad // block_q)
+
+
+def _q_schedule(mask, block_q, block_kv, pads):
+  """Per ``block_kv`` keys: nonempty query tiles first, and their count."""
+  sched = masks.tile_schedule(mask, block_q, block_kv)
+  order = pad_axis(pad_axis(sched.q_order, 1, pads.kv_pad // block_kv), 2,
+                    pads.q_pad // block_q)
+  return order, pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
+
+
+def rows_metadata(mask, block_q, block_kv, pads):
+  """Forward/dQ: per CTA of ``2 * block_q`` query rows, the key tiles to
+  visit, their count, each consumer's class at each step, and the order in
+  which CTAs take the row blocks (longest first)."""
+  order, count = _kv_schedule(mask, 2 * block_q, block_kv, pads)
+  classes = _classes(mask, block_q, block_kv, pads)
+  return (order, count, classes_per_step(classes, order),
+          heaviest_first(count))
+
+
+def keys_metadata(mask, block_q, block_kv, pads):
+  """dK/dV: per CTA of ``2 * block_kv`` keys, the query tiles to visit,
+  their count, each consumer's class at each step, and the order in which
+  CTAs take the key blocks (longest first)."""
+  order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
+  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
+  return (order, count, classes_per_step(classes, order),
+          heaviest_first(count))
+
+
+def shared_keys_metadata(mask, block_q, block_kv, pads):
+  """dK/dV with split outputs: per CTA of ``block_kv`` keys (both consumers
+  take the same keys), the query tiles to visit, their count, the class at
+  each step (the same for both consumers), and the order in which CTAs
+  take the key blocks."""
+  order, count = _q_schedule(mask, block_q, block_kv, pads)
+  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
+  per_step = jnp.take_along_axis(classes, order, axis=2)
+  return (order, count, jnp.stack([per_step, per_step], axis=-1),
+          heaviest_first(count))
+
+
+def fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
+  """The fused backward's metadata: the dK/dV schedule with each key
+  block's query tiles in decreasing order, the rank of each step's query
+  tile among the key blocks of the same accumulator visiting it (``[B,
+  Sp / (2 block_kv), Tp / block_q]``), and which query tiles each
+  accumulator receives (``[slots, B, Tp / block_q]``)."""
+  order, count = _q_schedule(mask, block_q, 2 * block_kv, pads)
+  # Nonempty query tiles in decreasing order: under a causal mask every key
+  # block then starts on the last tile, and a tile's contributors come one
+  # right after another.
+  order = visited_in_reverse(order, count)
+  classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
+  classes = classes_per_step(classes, order)
+  visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
+  visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
+                    pads.kv_pad // (2 * block_kv))
+  ranks = earlier_visitors(visits, order, slots)
+  return order, count, classes, ranks, visited_per_slot(visits, slots)
