@@ -21,6 +21,7 @@ module's text; ``--only TEXT`` keeps the cells whose name contains it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -126,8 +127,9 @@ def _save(path: str, only: list[str], x64: bool, text_dir: str | None):
     jax.config.update("jax_enable_x64", True)
   # Lowering for CUDA from a host without a Hopper GPU.  Trees older than
   # lowering_for_hopper have their device check replaced instead.
+  hopper = contextlib.ExitStack()
   if hasattr(mosaic_gpu, "lowering_for_hopper"):
-    mosaic_gpu.lowering_for_hopper().__enter__()
+    hopper.enter_context(mosaic_gpu.lowering_for_hopper())
   else:
     mosaic_gpu._is_hopper = lambda: True  # noqa: SLF001
   results = {}
@@ -152,6 +154,7 @@ def _save(path: str, only: list[str], x64: bool, text_dir: str | None):
         file = re.sub(r"[^\w=]+", "_", name) + f"_{i}_{kernel}.mlir"
         with open(os.path.join(text_dir, file), "w") as f:
           f.write(text)
+  hopper.close()
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
 

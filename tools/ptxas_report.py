@@ -25,6 +25,7 @@ expected.  ``--raw FILE`` keeps the compiler's whole output (with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -84,10 +85,11 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None,
                                           MosaicGpuConfig)
   backend = MosaicGpuBackend(MosaicGpuConfig(**fields))
   compile_offline = None
+  hopper = contextlib.ExitStack()
   if plugin:
-    # Lowering for CUDA on the CPU: the backend's device check stands down.
+    # Lowering for CUDA on the CPU: the target is taken for a Hopper GPU.
     from jflash.backends import mosaic_gpu  # noqa: PLC0415
-    mosaic_gpu.lowering_for_hopper().__enter__()
+    hopper.enter_context(mosaic_gpu.lowering_for_hopper())
     compile_offline = _offline_compiler(plugin)
   for head_dim in head_dims:
     if head_dim > 128 and fields.get("fuse_dq"):
@@ -106,6 +108,7 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None,
     for kernel_id, module in list(core.KNOWN_KERNELS.items()):
       if kernel_id not in known:
         compile_offline(module)
+  hopper.close()
 
 
 def summarize(text: str) -> list[str]:
