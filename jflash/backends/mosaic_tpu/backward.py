@@ -64,10 +64,8 @@ def _dq_step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
   if masked:
     kv_start = kv_block * plan.block_kv
     s, visible = common.apply_mask(
-        s, plan, q_start=i * plan.block_q, kv_start=kv_start,
-        transposed=False, lengths=common.lengths_of(r, b),
-        q_ids=r["q_ids"][...] if plan.has_segments else None,
-        kv_ids=r["kv_ids"][...] if plan.has_segments else None)
+        s, plan, r, b=b, q_start=i * plan.block_q, kv_start=kv_start,
+        transposed=False)
     if plan.kv_tail:
       k = common.zero_rows_past(k, kv_start, plan.rules.kv_len)
   lse = r["lse"][0][:, None]  # [1, bq] row -> [bq, 1] column
@@ -76,13 +74,7 @@ def _dq_step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
   dp = lax.dot_general(do, v, common.NT_DIMS,
                        precision=common.precision_for(v.dtype),
                        preferred_element_type=jnp.float32)
-  ds = p * (dp - delta)
-  if tanh is not None:
-    ds = ds * (1.0 - tanh * tanh)
-  if visible is not None:
-    # Hidden pairs contribute exactly 0, whatever lies past the sequence
-    # ends (rows of dO, the statistics, and V there are unspecified).
-    ds = jnp.where(visible, ds, jnp.float32(0))
+  ds = common.score_gradient(p, dp, delta, tanh, visible)
   r["acc"][...] += lax.dot_general(
       ds.astype(k.dtype), k, common.NN_DIMS,
       precision=common.precision_for(k.dtype),
@@ -184,10 +176,8 @@ def _dkv_step(r: dict, masked: bool, *, plan: Plan, b, ki, q_block) -> None:
   if masked:
     q_start = q_block * plan.block_q
     s, visible = common.apply_mask(
-        s, plan, q_start=q_start, kv_start=ki * plan.block_kv,
-        transposed=True, lengths=common.lengths_of(r, b),
-        q_ids=r["q_ids"][...] if plan.has_segments else None,
-        kv_ids=r["kv_ids"][...] if plan.has_segments else None)
+        s, plan, r, b=b, q_start=q_start, kv_start=ki * plan.block_kv,
+        transposed=True)
     if plan.q_tail:
       q = common.zero_rows_past(q, q_start, plan.rules.q_len)
       do = common.zero_rows_past(do, q_start, plan.rules.q_len)
@@ -202,11 +192,7 @@ def _dkv_step(r: dict, masked: bool, *, plan: Plan, b, ki, q_block) -> None:
   dp = lax.dot_general(v, do, common.NT_DIMS,
                        precision=common.precision_for(v.dtype),
                        preferred_element_type=jnp.float32)
-  ds = p * (dp - r["delta"][...])
-  if tanh is not None:
-    ds = ds * (1.0 - tanh * tanh)
-  if visible is not None:
-    ds = jnp.where(visible, ds, jnp.float32(0))
+  ds = common.score_gradient(p, dp, r["delta"][...], tanh, visible)
   r["dk_acc"][...] += lax.dot_general(
       ds.astype(q.dtype), q, common.NN_DIMS,
       precision=common.precision_for(q.dtype),

@@ -276,21 +276,22 @@ def logits(a: Array, b: Array, plan: Plan) -> tuple[Array, Array | None]:
   return s, tanh
 
 
-def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
-               lengths: tuple[Array | None, Array | None],
-               q_ids: Array | None, kv_ids: Array | None
-               ) -> tuple[Array, Array]:
+def apply_mask(s: Array, plan: Plan, refs: dict[str, Any], *, b, q_start,
+               kv_start, transposed: bool) -> tuple[Array, Array]:
   """``s`` with hidden pairs set to ``-inf``, and the visibility; the rule
   is :func:`jflash.masks.visibility_at`.  Positions past the sequence ends
   are hidden, whatever the (unspecified) data there.
 
   Args:
     s: ``[bq, bk]`` logits, or ``[bk, bq]`` when ``transposed``.
+    refs: the kernel's refs by name: the lengths (SMEM, read at batch row
+      ``b``) and the tile's segment ids (``q_ids``, ``kv_ids``, shaped to
+      broadcast along ``s``) where the call has them.
     q_start, kv_start: first query / key position of the tile.
-    lengths: this row's ``(q_length, kv_length)``.
-    q_ids, kv_ids: segment ids of the tile's queries and keys, already
-      shaped to broadcast along ``s`` (None without segment ids).
   """
+  lengths = lengths_of(refs, b)
+  q_ids = refs["q_ids"][...] if plan.has_segments else None
+  kv_ids = refs["kv_ids"][...] if plan.has_segments else None
   q_axis, kv_axis = (1, 0) if transposed else (0, 1)
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, s.shape, q_axis)
   kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, s.shape, kv_axis)
@@ -301,6 +302,19 @@ def apply_mask(s: Array, plan: Plan, *, q_start, kv_start, transposed: bool,
                                 q_length=lengths[0], kv_length=lengths[1],
                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   return jnp.where(visible, s, jnp.float32(-jnp.inf)), visible
+
+
+def score_gradient(p: Array, dp: Array, delta: Array, tanh: Array | None,
+                   visible: Array | None) -> Array:
+  """``dS = P * (dP - delta)``, through the soft cap's derivative where
+  there is one; exactly 0 at hidden pairs, whatever lies past the sequence
+  ends (rows of dO, the statistics and V there are unspecified)."""
+  ds = p * (dp - delta)
+  if tanh is not None:
+    ds = ds * (1.0 - tanh * tanh)
+  if visible is not None:
+    ds = jnp.where(visible, ds, jnp.float32(0))
+  return ds
 
 
 def zero_rows_past(x: Array, start, length: int) -> Array:

@@ -52,10 +52,8 @@ def _step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
   if masked:
     kv_start = kv_block * plan.block_kv
     s, _ = common.apply_mask(
-        s, plan, q_start=i * plan.block_q, kv_start=kv_start,
-        transposed=False, lengths=common.lengths_of(r, b),
-        q_ids=r["q_ids"][...] if plan.has_segments else None,
-        kv_ids=r["kv_ids"][...] if plan.has_segments else None)
+        s, plan, r, b=b, q_start=i * plan.block_q, kv_start=kv_start,
+        transposed=False)
     if plan.kv_tail:
       v = common.zero_rows_past(v, kv_start, plan.rules.kv_len)
   m_prev = r["m"][...]
