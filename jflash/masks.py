@@ -47,6 +47,10 @@ PARTIAL = 1
 FULL = 2
 """Tile class: every pair in the tile is visible; no per-element mask needed."""
 
+MAX_POSITION = 2**30
+"""Bound on the global positions of masks with offsets, so that every
+backend's position arithmetic stays within int32."""
+
 _INT_MAX = np.iinfo(np.int32).max
 _INT_MIN = np.iinfo(np.int32).min
 
@@ -57,29 +61,51 @@ def _cdiv(a: int, b: int) -> int:
 
 def row_bounds(q_idx: Array, *, q_len: int, kv_len: int, is_causal: bool,
                window: tuple[int, int] | None, q_length: Array | int | None = None,
-               kv_length: Array | int | None = None) -> tuple[Array, Array]:
+               kv_length: Array | int | None = None,
+               q_offset: Array | int | None = None,
+               kv_offset: Array | int | None = None) -> tuple[Array, Array]:
   """The structural rule for query positions ``q_idx`` (any shape): the
   visible keys are ``lo <= s < hi``, and rows that see nothing get
   ``hi == lo``.
+
+  Positions are local: query ``t`` and key ``s`` stand at the global
+  positions ``t + q_offset`` and ``s + kv_offset`` (offsets default to 0),
+  and causal, window and lengths apply to global positions, while ``q_len``
+  and ``kv_len`` bound the local ones (a shard of a longer sequence).
 
   Elementwise integer operations only (``maximum``, ``minimum``, ``where``
   and comparisons against scalars), so that kernels can apply the same rule
   to position arrays in their own register layouts.  ``q_length`` and
   ``kv_length`` are this batch row's lengths (scalars or arrays that
-  broadcast against ``q_idx``), or None.
+  broadcast against ``q_idx``), or None; the offsets are scalars or None.
   """
-  lo = jnp.zeros_like(q_idx) if window is None else jnp.maximum(
-      q_idx - window[0], 0)
+  # The query's global position in local key coordinates; the arithmetic
+  # below never leaves int32 for positions and window sides below 2**30.
+  diag = _shifted(q_idx, q_offset, kv_offset)
+  lo = jnp.zeros_like(q_idx)
+  if window is not None and diag is q_idx:
+    lo = jnp.maximum(q_idx - window[0], 0)
+  elif window is not None:
+    lo = jnp.maximum(diag, window[0]) - window[0]
   hi = jnp.full_like(q_idx, kv_len)
   if kv_length is not None:
-    hi = jnp.minimum(hi, kv_length)
+    hi = jnp.minimum(hi, _shifted(kv_length, None, kv_offset))
   right = _right_offset(is_causal, window)
   if right is not None:
-    hi = jnp.minimum(hi, q_idx + (right + 1))
+    hi = jnp.minimum(hi, diag + (right + 1))
   q_valid = q_idx < q_len
   if q_length is not None:
-    q_valid = q_valid & (q_idx < q_length)
+    q_valid = q_valid & (q_idx < _shifted(q_length, None, q_offset))
   return lo, jnp.where(q_valid, hi, lo)
+
+
+def _shifted(x, plus, minus):
+  """``x + plus - minus`` with absent terms left out."""
+  if plus is not None:
+    x = x + plus
+  if minus is not None:
+    x = x - minus
+  return x
 
 
 def _right_offset(is_causal: bool,
@@ -114,6 +140,12 @@ class AttentionMask:
     q_segment_ids: ``[B, T]`` int32.
     kv_segment_ids: ``[B, S]`` int32; a query sees only keys of its segment.
     dense: ``[B|1, N|1, T|1, S|1]`` bool, True means visible.
+    q_offset, kv_offset: int32 scalars, the global positions of the first
+      query and key when this mask covers a block of longer sequences (one
+      device's shard, one step of a ring); causal, window and lengths then
+      apply to global positions ``t + q_offset`` and ``s + kv_offset``,
+      which must be below ``2**30``, while ``q_len``, ``kv_len``, segment
+      ids and the dense mask stay local.  None means 0.
   """
 
   batch: int = dataclasses.field(metadata=dict(static=True))
@@ -127,6 +159,8 @@ class AttentionMask:
   q_segment_ids: Array | None = None
   kv_segment_ids: Array | None = None
   dense: Array | None = None
+  q_offset: Array | None = None
+  kv_offset: Array | None = None
 
   def __post_init__(self):
     if self.window is not None:
@@ -136,11 +170,27 @@ class AttentionMask:
       # A side at or beyond the sequence it reaches hides nothing on that
       # side (t - left < 0 <= s, s < S <= t + right); storing T or S keeps
       # the same mask within every backend's int32 position arithmetic.
-      window = (min(int(left), self.q_len), min(int(right), self.kv_len))
+      # With offsets the reach is not static: a side of MAX_POSITION or
+      # more hides nothing among global positions below it.
+      if self.has_offsets:
+        window = (min(int(left), MAX_POSITION), min(int(right), MAX_POSITION))
+      else:
+        window = (min(int(left), self.q_len), min(int(right), self.kv_len))
       if window != self.window:
         object.__setattr__(self, "window", window)
     if (self.q_segment_ids is None) != (self.kv_segment_ids is None):
       raise ValueError("q_segment_ids and kv_segment_ids go together")
+
+  @property
+  def has_offsets(self) -> bool:
+    """True when the mask covers a block of longer sequences (see
+    ``q_offset``)."""
+    return self.q_offset is not None or self.kv_offset is not None
+
+  def diagonal_shift(self) -> Array | int:
+    """``q_offset - kv_offset``: query ``t`` stands at key position
+    ``t + diagonal_shift()`` (0 without offsets)."""
+    return _shifted(0, self.q_offset, self.kv_offset)
 
   # ------------------------------------------------------------------ rows
   def _right_offset(self) -> int | None:
@@ -163,7 +213,8 @@ class AttentionMask:
         q_idx, q_len=self.q_len, kv_len=self.kv_len,
         is_causal=self.is_causal, window=self.window,
         q_length=self._per_row(self.q_lengths, q_idx.ndim),
-        kv_length=self._per_row(self.kv_lengths, q_idx.ndim))
+        kv_length=self._per_row(self.kv_lengths, q_idx.ndim),
+        q_offset=self.q_offset, kv_offset=self.kv_offset)
     return jnp.broadcast_arrays(lo, hi)
 
   def has_structural_part_only(self) -> bool:
@@ -177,6 +228,10 @@ class AttentionMask:
       return True
     if self.kv_lengths is not None:
       return True
+    if self.has_offsets:
+      # A block of queries may lie wholly before (causal) or beside
+      # (window) a block of keys.
+      return self.is_causal or self.window is not None
     # Causal rows see key 0 at least; a window's row t sees key min(t, S-1)
     # unless t - left >= S.
     return self.window is not None and self.q_len - 1 - self.window[0] >= \
@@ -279,18 +334,27 @@ def _structural_classes(mask: AttentionMask, block_q: int, block_kv: int,
   k1 = k0 + block_kv
   q_last = q0 + block_q - 1
   right = mask._right_offset()
+  # Breakpoints are in local positions: with offsets, query t stands at key
+  # position t + d.
+  d = mask.diagonal_shift()
   q_limit = jnp.full((1, 1, 1), mask.q_len, jnp.int32)
   if mask.q_lengths is not None:
-    q_limit = jnp.minimum(q_limit, mask._per_row(mask.q_lengths, 3))
+    q_limit = jnp.minimum(q_limit, _shifted(
+        mask._per_row(mask.q_lengths, 3), None, mask.q_offset))
   kv_limit = jnp.full((1, 1, 1), mask.kv_len, jnp.int32)
   if mask.kv_lengths is not None:
-    kv_limit = jnp.minimum(kv_limit, mask._per_row(mask.kv_lengths, 3))
+    kv_limit = jnp.minimum(kv_limit, _shifted(
+        mask._per_row(mask.kv_lengths, 3), None, mask.kv_offset))
   valid_last = jnp.minimum(q_last, q_limit - 1)  # last valid row per tile
   candidates = [q0, valid_last]
   if right is not None:
-    candidates += [k1 - right - 1, kv_limit - right - 1]
+    # Rows where hi(t) = t + d + right + 1 meets k1 or the key limit.
+    to_hi = _clamp_position(-(right + 1) - d)
+    candidates += [k1 + to_hi, kv_limit + to_hi]
   if mask.window is not None:
-    candidates += [k0 + mask.window[0], jnp.full_like(q0, mask.window[0])]
+    # Rows where lo(t) = t + d - left meets k0 or 0.
+    to_lo = _clamp_position(mask.window[0] - d)
+    candidates += [k0 + to_lo, jnp.full_like(q0, to_lo)]
   width = jnp.full((1, num_q, num_kv), -1, jnp.int32)
   for cand in candidates:
     t = jnp.clip(cand, q0, jnp.maximum(valid_last, q0))
@@ -301,6 +365,14 @@ def _structural_classes(mask: AttentionMask, block_q: int, block_kv: int,
   _, hi_first = mask._row_bounds(q0)
   full = (q_last < q_limit) & (lo_last <= k0) & (hi_first >= k1)
   return nonempty, full
+
+
+def _clamp_position(x: Array | int) -> Array | int:
+  """``x`` limited to ``+-MAX_POSITION``: a breakpoint that far away lies
+  outside every block, and the sums that use it stay within int32."""
+  if isinstance(x, int):
+    return x
+  return jnp.clip(x, -MAX_POSITION, MAX_POSITION)
 
 
 def _block_min_max(ids: Array, block: int, num: int) -> tuple[Array, Array]:
@@ -443,7 +515,9 @@ def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
                   q_length: Array | None = None,
                   kv_length: Array | None = None,
                   q_segment_ids: Array | None = None,
-                  kv_segment_ids: Array | None = None) -> Array:
+                  kv_segment_ids: Array | None = None,
+                  q_offset: Array | None = None,
+                  kv_offset: Array | None = None) -> Array:
   """Element visibility for one batch row, from data a kernel holds.
 
   The same rule as :meth:`AttentionMask.block_visibility` (through
@@ -462,6 +536,8 @@ def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
     q_segment_ids, kv_segment_ids: this row's segment ids at ``q_idx`` /
       ``kv_idx`` (broadcastable to the result), or None when the call has
       none; both or neither.
+    q_offset, kv_offset: the global positions of local query and key 0
+      (int32 scalars; see :class:`AttentionMask`), or None for 0.
 
   Returns:
     bool array of the broadcast shape of ``q_idx`` and ``kv_idx``.
@@ -470,7 +546,8 @@ def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
     raise ValueError("q_segment_ids and kv_segment_ids go together")
   lo, hi = row_bounds(q_idx, q_len=mask.q_len, kv_len=mask.kv_len,
                       is_causal=mask.is_causal, window=mask.window,
-                      q_length=q_length, kv_length=kv_length)
+                      q_length=q_length, kv_length=kv_length,
+                      q_offset=q_offset, kv_offset=kv_offset)
   vis = (kv_idx >= lo) & (kv_idx < hi)
   if q_segment_ids is not None:
     vis = vis & (q_segment_ids == kv_segment_ids)

@@ -52,6 +52,8 @@ class CudnnBackend:
       _decline("logits_soft_cap is not supported")
     if mask.dense is not None:
       _decline("a dense boolean mask is not supported")
+    if mask.has_offsets:
+      _decline("sequence offsets (context parallelism) are not supported")
     if mask.window is not None and not mask.is_causal:
       _decline("local_window_size needs is_causal=True")
     if not call.scale > 0:

@@ -380,6 +380,26 @@ class XlaBackend:
     return _attention(call.query, call.key, call.value, call.bias, call.mask,
                       self._plan(call))
 
+  def forward(self, call: AttentionCall) -> tuple[Array, Array]:
+    """``(out, lse)`` without a derivative, ``out`` in the compute dtype
+    (float32 or wider): one block of a context-parallel call."""
+    plan = self._plan(call)
+    return _forward(call.query, call.key, call.value, call.bias, call.mask,
+                    _schedule(call.mask, plan), plan)
+
+  def backward(self, call: AttentionCall, out: Array, lse: Array,
+               d_out: Array, d_lse: Array) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of one block given the whole call's ``out`` and
+    ``lse`` (FlashAttention's backward recomputes the block's probabilities
+    from the final logsumexp, so blocks' gradients add up)."""
+    if call.bias is not None:
+      raise NotImplementedError(f"{self.name}: a block backward takes no bias")
+    plan = self._plan(call)
+    dq, dk, dv, _ = _backward(call.query, call.key, call.value, None,
+                              call.mask, _schedule(call.mask, plan), out,
+                              lse, d_out, d_lse, plan)
+    return dq, dk, dv
+
   def differentiable(self, call: AttentionCall) -> tuple[Array, Array]:
     """The same forward computation without the custom backward: JAX
     differentiates it in any mode and to any order (forward mode, as in

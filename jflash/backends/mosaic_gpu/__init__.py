@@ -109,6 +109,11 @@ class MosaicGpuBackend:
   name: str = "mosaic_gpu"
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    self._check(call)
+    return per_shard(call, self._run, self.name)
+
+  def _check(self, call: AttentionCall) -> None:
+    """Declines (``NotImplementedError``) what the kernels do not serve."""
     if call.interpret:
       _decline("its wgmma kernels cannot run in Pallas interpret mode on the "
                "CPU")
@@ -128,9 +133,33 @@ class MosaicGpuBackend:
     if call.mask.dense is not None:
       _decline("a dense boolean mask is not supported (use segment_ids, "
                "lengths or windows; the xla backend serves dense masks)")
-    return per_shard(call, self._run, self.name)
+    if call.mask.has_offsets:
+      _decline("sequence offsets (context parallelism) are not supported yet")
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
+    return _attention(call.query, call.key, call.value, call.mask,
+                      self._plan(call))
+
+  def forward(self, call: AttentionCall) -> tuple[Array, Array]:
+    """``(out, lse [B, T, N])`` without a derivative: one block of a
+    context-parallel call."""
+    self._check(call)
+    out, lse = _forward(call.query, call.key, call.value, call.mask,
+                        self._plan(call))
+    return out, _natural_lse(lse, call.mask)
+
+  def backward(self, call: AttentionCall, out: Array, lse: Array,
+               d_out: Array, d_lse: Array) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of one block given the whole call's ``out`` and
+    ``lse [B, T, N]``."""
+    self._check(call)
+    plan = self._plan(call)
+    lse = pad_axis(jnp.swapaxes(lse, 1, 2), 2,
+                   _padding(call.mask, plan).q_pad)
+    return _backward(call.query, call.key, call.value, out, lse, d_out,
+                     d_lse, call.mask, plan)
+
+  def _plan(self, call: AttentionCall) -> "_Plan":
     head_dim = call.query.shape[-1]
     spec = MaskSpec.of(call.mask)
     config = self.config.resolved(
@@ -138,11 +167,10 @@ class MosaicGpuBackend:
         soft_cap=call.logits_soft_cap is not None,
         segments=spec.has_segments, causal=spec.is_causal,
         window=spec.window)
-    plan = _Plan(spec=spec,
+    return _Plan(spec=spec,
                  logits=LogitTransform(float(call.scale),
                                        call.logits_soft_cap),
                  config=config, head_dim=head_dim)
-    return _attention(call.query, call.key, call.value, call.mask, plan)
 
 
 # ------------------------------------------------------------------ layout

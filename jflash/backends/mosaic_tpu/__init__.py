@@ -19,7 +19,7 @@ from jflash import masks
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import round_up
 from jflash.backends.sharding import per_shard
-from jflash.backends.mosaic_tpu import ops
+from jflash.backends.mosaic_tpu import common, ops
 from jflash.backends.mosaic_tpu.common import Plan
 from jflash.backends.mosaic_tpu.config import (LANES, SUBLANES,
                                                MosaicTpuConfig, generation_of,
@@ -72,6 +72,30 @@ class MosaicTpuBackend:
               jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
     plan = self.plan(call)
     return ops.attention(call.query, call.key, call.value, call.mask, plan)
+
+  def forward(self, call: AttentionCall) -> tuple[Array, Array]:
+    """``(out float32, lse)`` without a derivative: one block of a
+    context-parallel call."""
+    self._check_supported(call)
+    if 0 in call.query.shape[:2] or call.key.shape[1] == 0:
+      return self._run(call)
+    plan = self.plan(call)
+    return ops.run_forward(call.query, call.key, call.value, call.mask,
+                           common.metadata(call.mask, plan), plan,
+                           jnp.float32)
+
+  def backward(self, call: AttentionCall, out: Array, lse: Array,
+               d_out: Array, d_lse: Array) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` of one block given the whole call's ``out`` and
+    ``lse``."""
+    self._check_supported(call)
+    if 0 in call.query.shape[:2] or call.key.shape[1] == 0:
+      return (jnp.zeros_like(call.query), jnp.zeros_like(call.key),
+              jnp.zeros_like(call.value))
+    plan = self.plan(call)
+    return ops.run_backward(call.query, call.key, call.value, call.mask,
+                            common.metadata(call.mask, plan), plan, out, lse,
+                            d_out, d_lse)
 
   def plan(self, call: AttentionCall) -> Plan:
     """The static plan of one call, or ``NotImplementedError`` if this
@@ -133,6 +157,10 @@ class MosaicTpuBackend:
       raise NotImplementedError(
           f"{self.name}: a dense boolean mask is not supported by these "
           "kernels; the 'xla' backend serves it")
+    if call.mask.has_offsets:
+      raise NotImplementedError(
+          f"{self.name}: sequence offsets (context parallelism) are not "
+          "supported yet")
     if call.dtype not in _DTYPES:
       raise NotImplementedError(
           f"{self.name}: dtype {call.dtype} is not supported (float32, "

@@ -27,7 +27,9 @@ def _kernel_dtype(dtype):
   return jnp.float32 if dtype == jnp.float16 else dtype
 
 
-def _run_forward(q, k, v, mask, meta: Metadata, plan: Plan, out_dtype):
+def run_forward(q, k, v, mask, meta: Metadata, plan: Plan, out_dtype):
+  """``(out [B, T, N, H] out_dtype, lse [B, T, N] float32)`` without a
+  derivative."""
   kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
   out, lse = forward.forward(
       common.to_kernel_layout(q.astype(kdt), hp),
@@ -38,8 +40,10 @@ def _run_forward(q, k, v, mask, meta: Metadata, plan: Plan, out_dtype):
           common.rows_from_kernel(lse))
 
 
-def _run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
-                  d_out, d_lse):
+def run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
+                 d_out, d_lse):
+  """``(dq, dk, dv)`` from the call's ``out`` and ``lse`` (float32 ``out``
+  keeps ``delta`` exact) and their cotangents."""
   kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
   # delta_i = sum_h dO_ih O_ih - dlse_i: the row term of the softmax
   # derivative, including the logsumexp's own cotangent.
@@ -67,7 +71,7 @@ def attention(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
               plan: Plan) -> tuple[Array, Array]:
   """``(out [B, T, N, H], logsumexp [B, T, N] float32)``, both
   differentiable in ``q``, ``k`` and ``v``."""
-  out, lse = _run_forward(q, k, v, mask, common.metadata(mask, plan), plan,
+  out, lse = run_forward(q, k, v, mask, common.metadata(mask, plan), plan,
                           _kernel_dtype(q.dtype))
   return out.astype(q.dtype), lse
 
@@ -76,14 +80,14 @@ def _attention_fwd(q, k, v, mask, plan):
   meta = common.metadata(mask, plan)
   # The backward pass takes delta from a float32 output: one rounded to
   # bfloat16 would cost dQ and dK several times its rounding error.
-  out, lse = _run_forward(q, k, v, mask, meta, plan, jnp.float32)
+  out, lse = run_forward(q, k, v, mask, meta, plan, jnp.float32)
   return (out.astype(q.dtype), lse), (q, k, v, mask, meta, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
   q, k, v, mask, meta, out, lse = residuals
   d_out, d_lse = cotangents
-  dq, dk, dv = _run_backward(q, k, v, mask, meta, plan, out, lse, d_out,
+  dq, dk, dv = run_backward(q, k, v, mask, meta, plan, out, lse, d_out,
                              d_lse)
   return dq, dk, dv, None
 
