@@ -146,6 +146,9 @@ class AttentionMask:
       apply to global positions ``t + q_offset`` and ``s + kv_offset``,
       which must be below ``2**30``, while ``q_len``, ``kv_len``, segment
       ids and the dense mask stay local.  None means 0.
+    has_offsets: static, True when the mask describes a block of longer
+      sequences: set whenever an offset is given, and kept by the static
+      rules a kernel compiles in (see :meth:`static_rules`).
   """
 
   batch: int = dataclasses.field(metadata=dict(static=True))
@@ -161,8 +164,12 @@ class AttentionMask:
   dense: Array | None = None
   q_offset: Array | None = None
   kv_offset: Array | None = None
+  has_offsets: bool = dataclasses.field(default=False,
+                                        metadata=dict(static=True))
 
   def __post_init__(self):
+    if self.q_offset is not None or self.kv_offset is not None:
+      object.__setattr__(self, "has_offsets", True)
     if self.window is not None:
       left, right = self.window
       if left < 0 or right < 0:
@@ -181,11 +188,13 @@ class AttentionMask:
     if (self.q_segment_ids is None) != (self.kv_segment_ids is None):
       raise ValueError("q_segment_ids and kv_segment_ids go together")
 
-  @property
-  def has_offsets(self) -> bool:
-    """True when the mask covers a block of longer sequences (see
-    ``q_offset``)."""
-    return self.q_offset is not None or self.kv_offset is not None
+  def static_rules(self) -> "AttentionMask":
+    """The static part of the rule (no array fields), for a kernel that
+    receives the arrays separately and passes them to
+    :func:`visibility_at`."""
+    return AttentionMask(batch=self.batch, q_len=self.q_len,
+                         kv_len=self.kv_len, is_causal=self.is_causal,
+                         window=self.window, has_offsets=self.has_offsets)
 
   def diagonal_shift(self) -> Array | int:
     """``q_offset - kv_offset``: query ``t`` stands at key position
