@@ -588,3 +588,22 @@ def max_visited_blocks(mask: AttentionMask, block_q: int,
   per_q = (block_q + width - 2) // block_kv + 2
   per_kv = (block_kv + width - 2) // block_q + 2
   return min(per_q, num_kv), min(per_kv, num_q)
+
+
+def ranges_may_see(q_start: int, q_len: int, kv_start: int, kv_len: int, *,
+                   is_causal: bool, window: tuple[int, int] | None) -> bool:
+  """Static: whether some query at global positions ``[q_start, q_start +
+  q_len)`` may see some key at ``[kv_start, kv_start + kv_len)`` under the
+  causal and window rules (lengths, segment ids and dense masks can only
+  hide more).  A context-parallel ring uses it to skip, for every device,
+  the steps whose blocks see nothing."""
+  if q_len <= 0 or kv_len <= 0:
+    return False
+  # t - s over the pair spans [lowest, highest]; visible offsets are
+  # [-right, left] (either side unbounded when absent).
+  lowest = q_start - (kv_start + kv_len - 1)
+  highest = q_start + q_len - 1 - kv_start
+  right = _right_offset(is_causal, window)
+  if right is not None and highest < -right:
+    return False
+  return window is None or lowest <= window[0]

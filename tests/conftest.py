@@ -1,6 +1,6 @@
 """Test configuration, applied before JAX initializes its backends.
 
-* Four virtual CPU devices for the sharding tests.
+* Eight virtual CPU devices for the sharding and context-parallel tests.
 * CPU code generation at XLA's default optimization level.  A lighter level
   (``--xla_backend_optimization_level=1``) compiled the suite's many small
   programs faster, but on hosts with AVX-512 LLVM's instruction selection
@@ -22,7 +22,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 OPTIMIZED = {"xla_backend_optimization_level": 3}
 
-_FLAGS = ("--xla_force_host_platform_device_count=4",)
+_FLAGS = ("--xla_force_host_platform_device_count=8",)
 _existing = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_existing] + [f for f in _FLAGS if f.split("=")[0] not in _existing]).strip()
