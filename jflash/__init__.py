@@ -2,8 +2,10 @@
 
 from jflash.attention import dot_product_attention, selected_implementation
 from jflash.backends import BACKENDS, default_order
+from jflash.parallel import ContextParallel, load_balance, restore_order
 
 __version__ = "0.1.0"
 
 __all__ = ["dot_product_attention", "selected_implementation", "BACKENDS",
-           "default_order", "__version__"]
+           "ContextParallel", "default_order", "load_balance", "restore_order",
+           "__version__"]

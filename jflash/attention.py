@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jflash.backends import BACKENDS, default_order, dispatch
+from jflash.backends import BACKENDS, context, default_order, dispatch, sharding
 from jflash.backends.base import AttentionCall, Backend
 from jflash.masks import AttentionMask
+from jflash.parallel import ContextParallel
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -301,6 +302,29 @@ def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
   return _int32_segment_ids(*result, batch)
 
 
+def _check_shard_segment_ids(segment_ids: Any) -> None:
+  """Ids wider than int32 are renumbered per call, which a shard cannot do
+  for the whole sequence."""
+  pair = segment_ids if is_segment_pair(segment_ids) else (segment_ids,)
+  for ids in pair:
+    dtype = getattr(ids, "dtype", None)
+    if dtype is None:
+      dtype = np.asarray(ids).dtype
+    if np.issubdtype(dtype, np.integer) and not _fits_int32(dtype):
+      raise ValueError(
+          "segment_ids: with context_parallel.axis_name each call holds one "
+          "shard of the sequence, and ids wider than int32 cannot be "
+          f"renumbered consistently across shards; got dtype {dtype}; pass "
+          "int32 ids")
+
+
+def _check_parallel(parallel: Any) -> ContextParallel | None:
+  if parallel is None or isinstance(parallel, ContextParallel):
+    return parallel
+  raise ValueError("context_parallel must be None or a "
+                   f"jflash.ContextParallel, got {parallel!r}")
+
+
 def _concrete_float(x: Any, name: str, dtype) -> float:
   """A Python number for a constant of the computation in ``dtype``: finite
   there, with room for the constants backends derive from it (such as
@@ -352,9 +376,11 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                   query_seq_lengths, key_value_seq_lengths, local_window_size,
                   segment_ids, logits_soft_cap,
                   return_residual=False,
-                  interpret=False) -> tuple[AttentionCall, bool]:
+                  interpret=False,
+                  shards: int = 1) -> tuple[AttentionCall, bool]:
   """Validates every argument; returns the canonical call and whether the
-  inputs were unbatched ``[T, N, H]``."""
+  inputs were unbatched ``[T, N, H]``.  ``shards > 1``: the arrays are one
+  shard of sequences split over that many devices (lengths are global)."""
   query = _as_array(query, "query")
   key = _as_array(key, "key")
   value = _as_array(value, "value")
@@ -425,16 +451,20 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
       raise ValueError(f"scale / logits_soft_cap = {scale_value!r} / {cap!r} "
                        f"overflows {compute_dtype.name}; raise "
                        "logits_soft_cap or lower scale")
+  if shards > 1:
+    _check_shard_segment_ids(segment_ids)
   q_ids, kv_ids = _canonical_segment_ids(segment_ids, batch, q_len, kv_len,
                                          unbatched)
   attention_mask = AttentionMask(
       batch=batch, q_len=q_len, kv_len=kv_len, is_causal=is_causal,
       window=_canonical_window(local_window_size),
       q_lengths=_canonical_lengths(query_seq_lengths, "query_seq_lengths",
-                                   batch, q_len),
+                                   batch, q_len * shards),
       kv_lengths=_canonical_lengths(key_value_seq_lengths,
-                                    "key_value_seq_lengths", batch, kv_len),
-      q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask)
+                                    "key_value_seq_lengths", batch,
+                                    kv_len * shards),
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask,
+      has_offsets=shards > 1)
   return_residual = _bool_flag(return_residual, "return_residual")
   interpret = _bool_flag(interpret, "interpret")
   call = AttentionCall(query, key, value, bias, attention_mask,
@@ -446,8 +476,15 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
 
 def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
               platform: str | None = None,
-              for_training: bool = False) -> tuple[Array, Array, str]:
+              for_training: bool = False,
+              parallel: ContextParallel | None = None
+              ) -> tuple[Array, Array, str]:
   """``(out, lse, name of the backend chosen for platform)``.
+
+  A call whose sequences are sharded (``parallel.axis_name`` inside a
+  ``shard_map``, or an explicitly sequence-sharded query) runs context
+  parallelism (:mod:`jflash.backends.context`) with the first backend of
+  the training order that serves its blocks.
 
   ``backends=None`` (``implementation=None``): each lowering platform's
   default orders (:func:`jflash.backends.call_orders`), the branches joined
@@ -457,6 +494,22 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
   """
   if platform is not None:
     call = dataclasses.replace(call, platform=platform)
+  if parallel is not None and parallel.axis_name is not None:
+    return _run_context(call, backends, parallel, parallel.axis_name,
+                        _axis_size(parallel.axis_name), platform)
+  if (sharding.sequence_axes(call) is not None and call.bias is None
+      and call.mask.dense is None):
+    parallel = parallel or ContextParallel()
+    names = []
+
+    def run_local(local, axis, size):
+      out, lse, name = _run_context(local, backends, parallel, axis, size,
+                                    platform)
+      names.append(name)
+      return out, lse
+
+    out, lse = sharding.run_sequence_sharded(call, run_local)
+    return out, lse, names[0]
   if dispatch.needs_jax_derivatives(call):
     return dispatch.run_differentiable(call, backends)
   if backends is not None:
@@ -468,6 +521,50 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
   out, lse, names = dispatch.run_per_platform(call, orders)
   host = dispatch.host_platform()
   return out, lse, names.get(host, names.get("cpu"))
+
+
+def _shards(parallel: ContextParallel | None) -> int:
+  """How many shards the local arrays are of (1 unless inside a
+  ``shard_map`` with ``axis_name``)."""
+  if parallel is None or parallel.axis_name is None:
+    return 1
+  return _axis_size(parallel.axis_name)
+
+
+def _axis_size(axis_name: str | tuple[str, ...]) -> int:
+  try:
+    return lax.axis_size(axis_name)
+  except NameError as err:
+    raise ValueError(
+        f"context_parallel.axis_name={axis_name!r} names no mesh axis bound "
+        "here; pass it inside a jax.shard_map over that axis (outside one, "
+        "shard the inputs' sequence axis and leave axis_name None)") from err
+
+
+def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
+                 parallel: ContextParallel, axis, size: int,
+                 platform: str | None) -> tuple[Array, Array, str]:
+  """Context parallelism over ``axis`` (``size`` shards) on a call that
+  holds one shard of each sequence."""
+  if dispatch.needs_jax_derivatives(call):
+    raise NotImplementedError(
+        "jflash.dot_product_attention: a sequence-sharded (context-parallel)"
+        " call is differentiable in reverse mode only (jax.grad, jax.vjp); "
+        "forward mode and reverse over reverse need unsharded sequences")
+  if call.bias is not None or call.mask.dense is not None:
+    raise ValueError(
+        "context_parallel: a bias or a dense boolean mask cannot follow a "
+        "sharded sequence; express the mask with is_causal, "
+        "local_window_size, segment_ids and lengths")
+  num_heads, num_kv_heads = call.query.shape[2], call.key.shape[2]
+  plan = parallel.plan(axis, size, num_heads, num_kv_heads)
+  if backends is None:
+    target = platform or dispatch.target_platform()
+    target = target if target in dispatch.PLATFORMS else "cpu"
+    backends = dispatch.default_orders(call, target)[1]
+  backend = context.choose_backend(call, plan, backends)
+  out, lse = context.attend(call, backend, plan)
+  return out, lse, backend.name
 
 
 def dot_product_attention(
@@ -487,6 +584,7 @@ def dot_product_attention(
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     interpret: bool = False,
+    context_parallel: ContextParallel | None = None,
 ) -> Array | tuple[Array, Array]:
   """Exact scaled dot-product attention, a superset of
   ``jax.nn.dot_product_attention``.
@@ -530,6 +628,12 @@ def dot_product_attention(
       supports it; ``mosaic_gpu`` and ``cudnn`` decline
       (``NotImplementedError``: their kernels cannot be interpreted on the
       CPU); ``xla`` has no Pallas kernels and runs as usual.
+    context_parallel: how a call whose sequences are sharded over devices
+      is computed (a :class:`jflash.ContextParallel`: ring or all-gather,
+      the sequence layout, and inside a ``jax.shard_map`` the mesh axis the
+      local arrays are shards along).  Inputs with a sharded sequence axis
+      run context parallelism with its defaults when None.  See
+      ``docs/scaling.md``.
 
   All visibility rules combine with logical AND.  A query row that sees no
   key returns zeros and a logsumexp of ``-inf`` (``jax.nn``'s ``xla`` path
@@ -546,18 +650,19 @@ def dot_product_attention(
     NotImplementedError: no backend among those requested can serve the call
       (only possible with an explicit ``implementation``).
   """
+  parallel = _check_parallel(context_parallel)
   call, unbatched = _canonicalize(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, return_residual=return_residual,
-      interpret=interpret)
+      interpret=interpret, shards=_shards(parallel))
   backends = _requested_backends(implementation)
   if _is_empty(call):
     out, lse = _empty_result(call)
   else:
-    out, lse, _ = _dispatch(call, backends)
+    out, lse, _ = _dispatch(call, backends, parallel=parallel)
   if unbatched:
     out, lse = out[0], lse[0]
   if return_residual:
@@ -615,6 +720,7 @@ def selected_implementation(
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     interpret: bool = False,
+    context_parallel: ContextParallel | None = None,
     platform: str | None = None,
     for_training: bool = False,
 ) -> str:
@@ -633,6 +739,7 @@ def selected_implementation(
   """
   if not isinstance(for_training, (bool, np.bool_)):
     raise ValueError(f"for_training must be a bool, got {for_training!r}")
+  parallel = _check_parallel(context_parallel)
   if platform is not None:
     default_order(platform)  # validates the name
     if platform == "gpu":
@@ -651,12 +758,12 @@ def selected_implementation(
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, return_residual=return_residual,
-        interpret=interpret)
+        interpret=interpret, shards=_shards(parallel))
     if _is_empty(call):
       chosen.append(_EMPTY_RESULT_BACKEND)
       return 0
     chosen.append(_dispatch(call, _requested_backends(implementation),
-                            platform, bool(for_training))[2])
+                            platform, bool(for_training), parallel)[2])
     return 0
 
   jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,

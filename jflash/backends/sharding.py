@@ -97,3 +97,69 @@ def _size(mesh, axes: tuple[str, ...]) -> int:
   for axis in axes:
     size *= mesh.shape[axis]
   return size
+
+
+def sequence_axes(call: AttentionCall) -> tuple[str, ...] | None:
+  """The mesh axes the query's sequence axis is explicitly sharded over,
+  or None when it is not (nothing explicit, or batch/head sharding only)."""
+  spec = _explicit_spec(call.query)
+  if spec is None or spec[1] is None:
+    return None
+  return _axes(spec[1])
+
+
+def run_sequence_sharded(
+    call: AttentionCall, run_local: Callable[[AttentionCall, tuple[str, ...],
+                                              int], tuple[Array, Array]]
+) -> tuple[Array, Array]:
+  """``run_local(local call, sequence axes, shards)`` inside a
+  ``jax.shard_map`` over the axes the query is explicitly sharded on: batch,
+  sequence and heads.  Keys and values are resharded to the query's batch,
+  sequence and head axes (the head dim is never sharded); the local call's
+  mask describes the device's blocks of the global sequences (its lengths
+  are global, its segment ids local)."""
+  q_spec = _explicit_spec(call.query)
+  b, seq, h = q_spec[0], q_spec[1], q_spec[2]
+  mesh = jax.typeof(call.query).sharding.mesh
+  seq_axes = _axes(seq)
+  shards = _size(mesh, seq_axes)
+  batch, q_len, heads, _ = call.query.shape
+  kv_len, kv_heads = call.key.shape[1], call.key.shape[2]
+  batch_parts, head_parts = _size(mesh, _axes(b)), _size(mesh, _axes(h))
+  for name, size, parts in (("query sequence T", q_len, shards),
+                            ("key sequence S", kv_len, shards),
+                            ("batch B", batch, batch_parts),
+                            ("query heads N", heads, head_parts),
+                            ("key/value heads K", kv_heads, head_parts)):
+    if size % parts:
+      raise ValueError(
+          f"dot_product_attention: the {name} = {size} does not divide "
+          f"into the {parts} shards of mesh axes {q_spec}; pad it, or shard "
+          "it over fewer devices")
+  mask = call.mask
+  x_spec = P(b, seq, h, None)
+  present = {name: x for name, x in (
+      ("q_lengths", mask.q_lengths), ("kv_lengths", mask.kv_lengths),
+      ("q_segment_ids", mask.q_segment_ids),
+      ("kv_segment_ids", mask.kv_segment_ids)) if x is not None}
+  present_specs = {name: P(b) if name.endswith("lengths") else P(b, seq)
+                   for name in present}
+
+  def body(q, k, v, mask_arrays):
+    local_mask = dataclasses.replace(
+        mask, batch=q.shape[0], q_len=q.shape[1], kv_len=k.shape[1],
+        has_offsets=True, **mask_arrays)
+    local = dataclasses.replace(call, query=q, key=k, value=v,
+                                mask=local_mask)
+    return run_local(local, seq_axes if len(seq_axes) > 1 else seq_axes[0],
+                     shards)
+
+  axes = set(_axes(b) + seq_axes + _axes(h))
+  mapped = jax.shard_map(
+      body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, present_specs),
+      out_specs=(x_spec, P(b, seq, h)), axis_names=axes, check_vma=False)
+  q, k, v = (jax.sharding.reshard(x, x_spec)
+             for x in (call.query, call.key, call.value))
+  present = {name: jax.sharding.reshard(x, present_specs[name])
+             for name, x in present.items()}
+  return mapped(q, k, v, present)
