@@ -72,9 +72,10 @@ def per_shard(call: AttentionCall, run: Callable[[AttentionCall],
   present = {name: x for name, x in (
       ("q_lengths", mask.q_lengths), ("kv_lengths", mask.kv_lengths),
       ("q_segment_ids", mask.q_segment_ids),
-      ("kv_segment_ids", mask.kv_segment_ids)) if x is not None}
-  present_specs = {name: P(b) if name.endswith("lengths") else P(b, None)
-                   for name in present}
+      ("kv_segment_ids", mask.kv_segment_ids),
+      ("q_offset", mask.q_offset), ("kv_offset", mask.kv_offset))
+      if x is not None}
+  present_specs = {name: _mask_array_spec(name, b, None) for name in present}
   local_batch = batch // batch_parts
 
   def body(q, k, v, mask_arrays):
@@ -90,6 +91,16 @@ def per_shard(call: AttentionCall, run: Callable[[AttentionCall],
   present = {name: jax.sharding.reshard(x, present_specs[name])
              for name, x in present.items()}
   return mapped(call.query, call.key, call.value, present)
+
+
+def _mask_array_spec(name: str, batch, sequence) -> P:
+  """The sharding of one of a mask's arrays: lengths per batch row, segment
+  ids per token, offsets (scalars) replicated."""
+  if name.endswith("offset"):
+    return P()
+  if name.endswith("lengths"):
+    return P(batch)
+  return P(batch, sequence)
 
 
 def _size(mesh, axes: tuple[str, ...]) -> int:
@@ -142,8 +153,7 @@ def run_sequence_sharded(
       ("q_lengths", mask.q_lengths), ("kv_lengths", mask.kv_lengths),
       ("q_segment_ids", mask.q_segment_ids),
       ("kv_segment_ids", mask.kv_segment_ids)) if x is not None}
-  present_specs = {name: P(b) if name.endswith("lengths") else P(b, seq)
-                   for name in present}
+  present_specs = {name: _mask_array_spec(name, b, seq) for name in present}
 
   def body(q, k, v, mask_arrays):
     local_mask = dataclasses.replace(

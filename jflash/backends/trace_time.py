@@ -27,7 +27,8 @@ _NO_MESH = jax.sharding.AbstractMesh((), ())
 def depends_on_shapes_only(mask: masks.AttentionMask) -> bool:
   """True when no per-call array takes part in visibility."""
   return (mask.q_lengths is None and mask.kv_lengths is None
-          and mask.q_segment_ids is None and mask.dense is None)
+          and mask.q_segment_ids is None and mask.dense is None
+          and not mask.has_offsets)
 
 
 def constant_if_static(build: Callable[..., Any], mask: masks.AttentionMask,
