@@ -226,21 +226,41 @@ def forward(call: AttentionCall, backend: Backend, plan: Plan
     keys, kv_parts = _gathered(keys, plan, s)
     results = _attend_block(call, backend, q_parts, kv_parts, keys)
   else:
-    results = [None] * len(q_parts)
     ahead, behind = _ring_reach(call, plan)
+    results = _attend_block(call, backend, q_parts, plan.chunks(index, s),
+                            keys)
     for direction, steps in ((1, ahead), (-1, behind)):
-      block = keys
-      first = 0 if direction == 1 else 1
-      for step in range(first, steps + 1):
-        if step > 0:
-          block = _shift(block, plan, direction)
-        src = (index - direction * step) % plan.size
-        parts = _attend_block(call, backend, q_parts, plan.chunks(src, s),
-                              block)
-        results = [_merge(a, p) for a, p in zip(results, parts)]
+      results = _ring_forward(call, backend, plan, q_parts, keys, results,
+                              direction, steps)
   out = _concat([o for o, _ in results])
   lse = _concat([l for _, l in results])
   return out, lse
+
+
+def _ring_forward(call: AttentionCall, backend: Backend, plan: Plan,
+                  q_parts, keys, results: list, direction: int,
+                  steps: int) -> list:
+  """``results`` merged with the blocks of shards ``i - direction``, ...,
+  ``i - direction * steps``.  A loop (not unrolled) so that one block is
+  live at a time; each iteration sends the block in hand on while
+  attending to it."""
+  if steps == 0:
+    return results
+  index = lax.axis_index(plan.axis)
+  s = call.key.shape[1]
+
+  def attend(step, block, results):
+    src = (index - direction * step) % plan.size
+    parts = _attend_block(call, backend, q_parts, plan.chunks(src, s), block)
+    return tuple(_merge(a, p) for a, p in zip(results, parts))
+
+  def body(step, carry):
+    block, results = carry
+    return _shift(block, plan, direction), attend(step, block, results)
+
+  block = _shift(keys, plan, direction)
+  block, results = lax.fori_loop(1, steps, body, (block, tuple(results)))
+  return list(attend(steps, block, results))
 
 
 def _gathered(keys, plan: Plan, s: int):
@@ -304,31 +324,56 @@ def backward(call: AttentionCall, backend: Backend, plan: Plan, out: Array,
   else:
     dk = dv = None
     ahead, behind = _ring_reach(call, plan)
-    for direction, steps in ((1, ahead), (-1, behind)):
-      if direction == -1 and steps == 0:
+    for direction, steps, first in ((1, ahead, 0), (-1, behind, 1)):
+      if steps < first:
         continue
-      block, acc = keys, None
-      first = 0 if direction == 1 else 1
-      if first == 1:
-        block = _shift(block, plan, direction)
-      for step in range(first, steps + 1):
-        src = (index - direction * step) % plan.size
-        dq_parts, dkv_parts = _backward_block(
-            call, backend, q_parts, plan.chunks(src, s), block, stats)
-        add_dq(dq_parts)
-        grads = (_concat([a for a, _ in dkv_parts]),
-                 _concat([b for _, b in dkv_parts]))
-        acc = grads if acc is None else jax.tree.map(jnp.add, acc, grads)
-        if step < steps:
-          # The block moves on with the gradients accumulated for it.
-          block, acc = _shift((block, acc), plan, direction)
-      # The accumulator of the block last in hand goes back to its owner.
-      if steps > 0:
-        acc = _shift(acc, plan, -direction * steps)
-      dk = acc[0] if dk is None else dk + acc[0]
-      dv = acc[1] if dv is None else dv + acc[1]
+      dq_parts, (dk_part, dv_part) = _ring_backward(
+          call, backend, plan, q_parts, keys, stats, direction, steps, first)
+      add_dq(dq_parts)
+      dk = dk_part if dk is None else dk + dk_part
+      dv = dv_part if dv is None else dv + dv_part
   return (_concat(dq).astype(call.query.dtype), dk.astype(call.key.dtype),
           dv.astype(call.value.dtype))
+
+
+def _ring_backward(call: AttentionCall, backend: Backend, plan: Plan,
+                   q_parts, keys, stats, direction: int, steps: int,
+                   first: int) -> tuple[list, tuple[Array, Array]]:
+  """dQ from the blocks of shards ``i - direction * first``, ...,
+  ``i - direction * steps``, and the dK/dV this shard's own block gathers
+  from the shards it visits: each block travels with its accumulator,
+  which returns to its owner at the end."""
+  index = lax.axis_index(plan.axis)
+  s = call.key.shape[1]
+
+  def grads(step, block, sums=None):
+    src = (index - direction * step) % plan.size
+    dq_parts, dkv_parts = _backward_block(
+        call, backend, q_parts, plan.chunks(src, s), block, stats)
+    dkv = (_concat([a for a, _ in dkv_parts]),
+           _concat([b for _, b in dkv_parts]))
+    fresh = (dkv, tuple(dq_parts))
+    return fresh if sums is None else jax.tree.map(jnp.add, sums, fresh)
+
+  def body(step, carry):
+    block, sums = carry
+    # The block goes on while it is worked on; its accumulator follows it
+    # once this shard's share is added.
+    moved = _shift(block, plan, direction)
+    acc, dq = grads(step, block, sums)
+    return moved, (_shift(acc, plan, direction), dq)
+
+  block = keys if first == 0 else _shift(keys, plan, direction)
+  sums = grads(first, block)
+  if steps > first:
+    block = _shift(block, plan, direction)
+    sums = (_shift(sums[0], plan, direction), sums[1])
+    block, sums = lax.fori_loop(first + 1, steps, body, (block, sums))
+    sums = grads(steps, block, sums)
+  acc, dq = sums
+  if steps > 0:
+    acc = _shift(acc, plan, -direction * steps)
+  return list(dq), acc
 
 
 # ----------------------------------------------------------- differentiable
