@@ -22,18 +22,25 @@ class Config:
   mlp_ratio: int = 4
   rope: bool = True  # rotary position embeddings (else learned absolute)
   dtype: jnp.dtype = jnp.float32
+  # How attention runs over a sequence sharded across devices (layout and
+  # strategy); None: jflash's defaults.
+  context_parallel: jflash.ContextParallel | None = None
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
 
-def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
-  """Rotary position embedding of ``x [B, T, N, H]`` (positions 0..T-1)."""
+def rotary(x: jax.Array, positions: jax.Array | None = None,
+           base: float = 10000.0) -> jax.Array:
+  """Rotary position embedding of ``x [B, T, N, H]`` at ``positions
+  [B, T]`` (default ``0..T-1``)."""
   t, h = x.shape[1], x.shape[-1]
+  if positions is None:
+    positions = jnp.arange(t)[None]
   freqs = base ** (-jnp.arange(0, h // 2, dtype=jnp.float32) / (h // 2))
-  angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None]
-  cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+  angles = positions.astype(jnp.float32)[..., None] * freqs
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
   return out.astype(x.dtype)
@@ -48,6 +55,7 @@ class CausalSelfAttention(nnx.Module):
                        f"num_heads={cfg.num_heads}")
     self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
     self.rope = cfg.rope
+    self.context_parallel = cfg.context_parallel
     init = nnx.initializers.normal(0.02)
     self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=False,
                           kernel_init=init, dtype=cfg.dtype, rngs=rngs)
@@ -57,21 +65,24 @@ class CausalSelfAttention(nnx.Module):
         kernel_init=nnx.initializers.normal(0.02 / (2 * cfg.num_layers)**0.5),
         rngs=rngs)
 
-  def qkv_heads(self, x: jax.Array):
+  def qkv_heads(self, x: jax.Array, positions: jax.Array | None = None):
     """``x [B, T, D]`` -> ``q, k, v``, each ``[B, T, N, H]`` (jax.nn layout)."""
     b, t, _ = x.shape
     qkv = self.qkv(x).reshape(b, t, 3, self.num_heads, self.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.rope:
-      q, k = rotary(q), rotary(k)
+      q, k = rotary(q, positions), rotary(k, positions)
     return q, k, v
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
     b, t, d = x.shape
-    q, k, v = self.qkv_heads(x)
+    q, k, v = self.qkv_heads(x, positions)
     # The one line that matters: exact FlashAttention, best kernel for the
-    # platform (cuDNN / Mosaic on GPU, Mosaic on TPU, blockwise XLA on CPU).
-    y = jflash.dot_product_attention(q, k, v, is_causal=True)
+    # platform (cuDNN / Mosaic on GPU, Mosaic on TPU, blockwise XLA on CPU),
+    # context-parallel when the sequence is sharded across devices.
+    y = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                     context_parallel=self.context_parallel)
     return self.proj(y.reshape(b, t, d))
 
 
@@ -99,8 +110,9 @@ class Block(nnx.Module):
     self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.ln1(x))
+  def __call__(self, x: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
+    x = x + self.attn(self.ln1(x), positions)
     return x + self.mlp(self.ln2(x))
 
 
@@ -121,14 +133,31 @@ class TransformerLM(nnx.Module):
                             for _ in range(cfg.num_layers)])
     self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """``tokens [B, T]`` int -> logits ``[B, T, vocab]`` (float32)."""
-    x = self.embed(tokens)
+  def __call__(self, tokens: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
+    """``tokens [B, T]`` int -> logits ``[B, T, vocab]`` (float32).
+
+    ``positions [B, T]``: each token's position in its sequence, when the
+    tokens are not in order (a load-balanced layout); default ``0..T-1``.
+    """
+    x = self.lookup(tokens)
     if self.pos is not None:
-      x = x + self.pos(jnp.arange(tokens.shape[1]))[None]
+      x = x + self.pos(jnp.arange(tokens.shape[1])[None] if positions is None
+                       else positions)
     for block in self.blocks:
-      x = block(x)
+      x = block(x, positions)
     return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
+
+  def lookup(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings ``[B, T, D]``.  Tokens explicitly sharded over a
+    mesh (``jax.sharding.AxisType.Explicit``) give embeddings sharded the
+    same way, which JAX asks to be stated for a gather."""
+    spec = getattr(jax.typeof(tokens).sharding, "spec", None)
+    if spec is None or all(s is None for s in spec):
+      return self.embed(tokens)
+    table = self.embed.embedding[...]
+    out = table.at[tokens].get(out_sharding=jax.P(*spec, None))
+    return out.astype(self.cfg.dtype)
 
 
 def num_params(model: nnx.Module) -> int:
