@@ -8,6 +8,7 @@ shapes span several tiles in both directions.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +16,17 @@ import numpy as np
 import pytest
 
 import jflash
-from jflash import masks
+from jflash import masks, reference
 from jax.experimental import pallas as pl
 
+from jflash.backends.base import AttentionCall
 from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
 from jflash.backends.mosaic_tpu import common, config, ops
 from jflash.backends.mosaic_tpu.config import GENERATIONS
 from tests import conformance
-from tests._support import (Case, fresh_rng, grads_of, random_qkv,
-                            random_segments, rel_err)
+from tests._support import (Case, fresh_rng, grads_of, lse_err,
+                            random_normal, random_qkv, random_segments,
+                            rel_err)
 
 SMALL = MosaicTpuBackend(MosaicTpuConfig(block_q=16, block_kv=32))
 
@@ -604,3 +607,148 @@ def test_empty_axes(shape):
                    argnums=(0, 1, 2))(q, k, v)
   for g, x in zip(grads, (q, k, v)):
     assert g.shape == x.shape and not np.asarray(g).any()
+
+
+# --------------------------------------------------------------- offsets
+# A mask with offsets describes one block of longer sequences (a device's
+# shard, a ring step of context parallelism): causal, window and lengths
+# apply to the global positions t + q_offset and s + kv_offset.  Each case
+# splits its keys into two blocks at `split`, as a ring would, and names
+# where the query block stands against the key blocks.
+_OFFSET_CASES = {
+    # Queries wholly after the keys: every pair visible (FULL tiles).
+    "causal_ahead": dict(t=40, s=72, q_offset=80, kv_offset=0, split=40,
+                         is_causal=True),
+    "causal_overlapping": dict(t=40, s=56, q_offset=24, kv_offset=8,
+                               split=24, is_causal=True),
+    # Queries mostly before the keys: rows that see nothing, and a second
+    # key block that no query sees.
+    "causal_behind": dict(t=40, s=48, q_offset=0, kv_offset=30, split=24,
+                          is_causal=True),
+    "window_both_sides": dict(t=40, s=64, q_offset=100, kv_offset=90,
+                              split=32, window=(6, 9)),
+    # The band misses the first key block entirely.
+    "window_misses_a_block": dict(t=24, s=80, q_offset=50, kv_offset=20,
+                                  split=20, window=(4, 4)),
+    # The band misses every key: zeros, a logsumexp of -inf, zero
+    # gradients (and no NaN).
+    "window_misses_all": dict(t=24, s=40, q_offset=0, kv_offset=100,
+                              split=16, window=(3, 2)),
+    "segments": dict(t=40, s=56, q_offset=32, kv_offset=16, split=24,
+                     is_causal=True, segments=True),
+    # Global lengths that end inside the blocks (and one row with none).
+    "lengths": dict(t=40, s=56, q_offset=40, kv_offset=30, split=32,
+                    window=(20, 5), q_lengths=(60, 40), kv_lengths=(70, 200)),
+    "gqa_soft_cap": dict(t=40, s=56, q_offset=16, kv_offset=0, split=24,
+                         heads=4, kv_heads=1, is_causal=True, soft_cap=2.0),
+}
+
+
+def _offset_mask(case: dict, q_ids, kv_ids, q_offset, kv_offset, kv_len,
+                 batch: int) -> masks.AttentionMask:
+  """The case's mask over ``kv_len`` keys at global ``kv_offset``."""
+  lengths = {name: None if case.get(name) is None else
+             jnp.asarray(case[name], jnp.int32)
+             for name in ("q_lengths", "kv_lengths")}
+  return masks.AttentionMask(
+      batch=batch, q_len=case["t"], kv_len=kv_len,
+      is_causal=case.get("is_causal", False), window=case.get("window"),
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_offset=q_offset,
+      kv_offset=kv_offset, **lengths)
+
+
+def _offset_results(case: dict, arrays, offsets):
+  """Reference and kernel results of one case (traced: the offsets are
+  per-call values).
+
+  Returns ``(want, got)``, each a dict with the whole call's ``out``,
+  ``lse`` and gradients ``grads`` (through ``__call__``, with random
+  cotangents of both outputs), and, for ``got``, ``blocks``: each key
+  block's block ``forward``, and ``block_grads``: dQ summed over the key
+  blocks' block ``backward`` (given the whole call's reference ``out``
+  and ``lse``), dK and dV concatenated.  ``want["blocks"]`` is the
+  reference on each key block's mask.
+  """
+  q, k, v, q_ids, kv_ids, d_out, d_lse = arrays
+  q_offset, kv_offset = offsets
+  split, s = case["split"], case["s"]
+  scale, cap = 0.3, case.get("soft_cap")
+  batch = q.shape[0]
+
+  def call_of(k, v, kv_ids, kv_offset, mask_len):
+    mask = _offset_mask(case, q_ids, kv_ids, q_offset, kv_offset, mask_len,
+                        batch)
+    return AttentionCall(q, k, v, None, mask, scale=scale,
+                         logits_soft_cap=cap, returns_residual=True,
+                         interpret=True)
+
+  def cut(x, lo, hi):
+    return None if x is None else x[:, lo:hi]
+
+  full = call_of(k, v, kv_ids, kv_offset, s)
+  blocks = [call_of(cut(k, lo, hi), cut(v, lo, hi), cut(kv_ids, lo, hi),
+                    kv_offset + lo, hi - lo)
+            for lo, hi in ((0, split), (split, s))]
+
+  def reference_of(call):
+    def run(q, k, v):
+      return reference.reference_attention(
+          q, k, v, None, call.mask, scale=scale, logits_soft_cap=cap)
+    return run
+
+  def with_grads(run):
+    (out, lse), vjp = jax.vjp(run, q, k, v)
+    return dict(out=out, lse=lse, grads=vjp((d_out, d_lse)))
+
+  want = with_grads(reference_of(full))
+  want["blocks"] = [reference_of(c)(c.query, c.key, c.value) for c in blocks]
+  got = with_grads(lambda q, k, v: SMALL(
+      dataclasses.replace(full, query=q, key=k, value=v)))
+  got["blocks"] = [SMALL.forward(c) for c in blocks]
+  parts = [SMALL.backward(c, want["out"], want["lse"], d_out, d_lse)
+           for c in blocks]
+  got["block_grads"] = (sum(p[0] for p in parts),
+                        jnp.concatenate([p[1] for p in parts], axis=1),
+                        jnp.concatenate([p[2] for p in parts], axis=1))
+  return want, got
+
+
+def _offset_arrays(rng, case: dict):
+  b, t, s = 2, case["t"], case["s"]
+  q, k, v = random_qkv(rng, b=b, t=t, s=s, n=case.get("heads", 4),
+                       k=case.get("kv_heads", 2), h=32)
+  q_ids = kv_ids = None
+  if case.get("segments"):
+    q_ids = jnp.asarray(random_segments(rng, b, t))
+    kv_ids = jnp.asarray(random_segments(rng, b, s))
+  d_out = random_normal(rng, q.shape, jnp.float32)
+  d_lse = random_normal(rng, q.shape[:3], jnp.float32)
+  return q, k, v, q_ids, kv_ids, d_out, d_lse
+
+
+def _check_offset_results(want, got, info: str) -> None:
+  assert rel_err(got["out"], want["out"]) < 1e-5, info
+  assert lse_err(got["lse"], want["lse"]) < 1e-5, info
+  for (out, lse), (w_out, w_lse) in zip(got["blocks"], want["blocks"]):
+    assert rel_err(out, w_out) < 1e-5, info
+    assert lse_err(lse, w_lse) < 1e-5, info
+  for grads in (got["grads"], got["block_grads"]):
+    for name, g, w in zip("qkv", grads, want["grads"]):
+      assert np.isfinite(np.asarray(g)).all(), (name, info)
+      assert rel_err(g, w) < 1e-5, (name, info)
+
+
+@pytest.mark.parametrize("name", list(_OFFSET_CASES))
+def test_offsets_match_reference(name):
+  """Masks with offsets, the offsets traced: ``__call__`` (output,
+  logsumexp, gradients), the block ``forward`` of each key block, and the
+  block ``backward`` of each key block given the whole call's output and
+  logsumexp (summed as context parallelism sums them), all against the
+  reference."""
+  case = _OFFSET_CASES[name]
+  rng, seed = conformance.new_rng()
+  arrays = _offset_arrays(rng, case)
+  offsets = (jnp.int32(case["q_offset"]), jnp.int32(case["kv_offset"]))
+  want, got = jax.jit(functools.partial(_offset_results, case))(arrays,
+                                                               offsets)
+  _check_offset_results(want, got, f"seed={seed}")
