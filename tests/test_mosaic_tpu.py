@@ -119,14 +119,22 @@ def _computed_tiles(monkeypatch, call) -> dict[str, np.ndarray]:
     dict(is_causal=True, local_window_size=(20, 0)),
     dict(is_causal=True, local_window_size=(7, 3),
          key_value_seq_lengths=np.array([100, 41], np.int32)),
-], ids=["causal_window", "causal_window_lengths"])
+    dict(is_causal=True, local_window_size=(20, 0), offsets=(37, 5),
+         key_value_seq_lengths=np.array([110, 60], np.int32)),
+], ids=["causal_window", "causal_window_lengths", "offsets"])
 def test_kernels_visit_only_nonempty_tiles(monkeypatch, kwargs):
   """Counted inside the kernels as they run: each computes exactly the
   tiles with a visible pair, per batch row, and the visit lists are
-  shorter than a full row of tiles (the grid itself shrinks)."""
+  shorter than a full row of tiles (the grid itself shrinks); with
+  offsets too (global lengths), whose schedule is computed at run time."""
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
             for k, v in kwargs.items()}
+  offsets = kwargs.pop("offsets", None)
   call, _ = _call(fresh_rng(), **kwargs)
+  if offsets is not None:
+    call = dataclasses.replace(call, mask=dataclasses.replace(
+        call.mask, q_offset=jnp.int32(offsets[0]),
+        kv_offset=jnp.int32(offsets[1])))
   visits = _computed_tiles(monkeypatch, call)
   plan = SMALL.plan(call)
   visible = np.asarray(call.mask.visibility())[:, 0]
@@ -646,9 +654,10 @@ _OFFSET_CASES = {
 
 def _offset_mask(case: dict, q_ids, kv_ids, q_offset, kv_offset, kv_len,
                  batch: int) -> masks.AttentionMask:
-  """The case's mask over ``kv_len`` keys at global ``kv_offset``."""
+  """The case's mask over ``kv_len`` keys at global ``kv_offset``
+  (lengths in the offsets' integer type)."""
   lengths = {name: None if case.get(name) is None else
-             jnp.asarray(case[name], jnp.int32)
+             jnp.asarray(case[name], q_offset.dtype)
              for name in ("q_lengths", "kv_lengths")}
   return masks.AttentionMask(
       batch=batch, q_len=case["t"], kv_len=kv_len,
@@ -698,7 +707,9 @@ def _offset_results(case: dict, arrays, offsets):
 
   def with_grads(run):
     (out, lse), vjp = jax.vjp(run, q, k, v)
-    return dict(out=out, lse=lse, grads=vjp((d_out, d_lse)))
+    # The reference computes in float64 under x64.
+    grads = vjp((d_out.astype(out.dtype), d_lse.astype(lse.dtype)))
+    return dict(out=out, lse=lse, grads=grads)
 
   want = with_grads(reference_of(full))
   want["blocks"] = [reference_of(c)(c.query, c.key, c.value) for c in blocks]
@@ -752,3 +763,71 @@ def test_offsets_match_reference(name):
   want, got = jax.jit(functools.partial(_offset_results, case))(arrays,
                                                                offsets)
   _check_offset_results(want, got, f"seed={seed}")
+
+
+def test_one_trace_serves_any_offsets():
+  """The offsets are per-call values: one jitted block forward serves
+  query blocks ahead of, behind and overlapping the key block (each with
+  its own tile schedule, computed at run time)."""
+  case = dict(t=40, s=48, is_causal=True, window=(30, 0))
+  rng, seed = conformance.new_rng()
+  q, k, v = random_qkv(rng, b=2, t=40, s=48, n=4, k=2, h=32)
+  traces = []
+
+  def block_forward(q_offset, kv_offset):
+    traces.append(1)
+    mask = _offset_mask(case, None, None, q_offset, kv_offset, 48, 2)
+    return SMALL.forward(AttentionCall(q, k, v, None, mask, scale=0.3,
+                                       logits_soft_cap=None, interpret=True))
+
+  block_forward = jax.jit(block_forward)
+  for offsets in ((90, 0), (0, 30), (20, 10)):
+    q_offset, kv_offset = (jnp.int32(x) for x in offsets)
+    out, lse = block_forward(q_offset, kv_offset)
+    mask = _offset_mask(case, None, None, q_offset, kv_offset, 48, 2)
+    w_out, w_lse = reference.reference_attention(q, k, v, None, mask,
+                                                 scale=0.3)
+    assert rel_err(out, w_out) < 1e-5, (offsets, seed)
+    assert lse_err(lse, w_lse) < 1e-5, (offsets, seed)
+  assert len(traces) == 1
+
+
+_ALL_WITH_OFFSETS = dict(t=40, s=56, q_offset=30, kv_offset=20, split=24,
+                         is_causal=True, window=(25, 0), segments=True,
+                         q_lengths=(65, 50), kv_lengths=(60, 76),
+                         soft_cap=2.0)
+
+
+def test_offsets_under_x64():
+  """Under ``jax_enable_x64``, with int64 offsets, lengths and segment
+  ids: the kernels trace to the same jaxprs as without it (all index math
+  int32), and every result matches the float64 reference."""
+  case = _ALL_WITH_OFFSETS
+  rng, seed = conformance.new_rng()
+  arrays = _offset_arrays(rng, case)
+  run = functools.partial(_offset_results, case)
+
+  def kernel_texts(arrays, offsets):
+    jaxpr = jax.make_jaxpr(run)(arrays, offsets)
+    return [str(eqn.params["jaxpr"]) + "\n".join(
+        str(b.index_map_jaxpr)
+        for b in eqn.params["grid_mapping"].block_mappings)
+            for eqn in _pallas_calls(jaxpr.jaxpr)]
+
+  def offsets_as(dtype):
+    return tuple(jnp.asarray(case[name], dtype)
+                 for name in ("q_offset", "kv_offset"))
+
+  plain = kernel_texts(arrays, offsets_as(jnp.int32))
+  with jax.enable_x64(True):
+    wide_arrays = tuple(
+        None if x is None else
+        x.astype(jnp.int64) if jnp.issubdtype(x.dtype, jnp.integer) else x
+        for x in arrays)
+    wide = kernel_texts(wide_arrays, offsets_as(jnp.int64))
+    # Forward and backward of __call__ (3), two block forwards and two
+    # block backwards (2 each).
+    assert len(wide) == 9 and wide == plain
+    assert not any("64[" in text for text in wide)
+    want, got = jax.jit(run)(wide_arrays, offsets_as(jnp.int64))
+    _check_offset_results(want, got, f"seed={seed}")
