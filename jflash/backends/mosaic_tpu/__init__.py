@@ -44,9 +44,12 @@ class MosaicTpuBackend:
 
   Serves float32, bfloat16 and float16 (computed by the float32 kernels)
   with head dims up to 256, causal, windows, lengths, segment ids, GQA/MQA
-  and soft cap.  Declines (``NotImplementedError``): a dense ``bias`` or
-  boolean ``mask`` (``xla`` serves them), other dtypes, larger head dims,
-  and any platform but a TPU unless the call asks for ``interpret=True``.
+  and soft cap, also for masks with query/key offsets (one block of
+  context parallelism, through :meth:`forward` and :meth:`backward` as
+  well as the ordinary call).  Declines (``NotImplementedError``): a dense
+  ``bias`` or boolean ``mask`` (``xla`` serves them), other dtypes, larger
+  head dims, and any platform but a TPU unless the call asks for
+  ``interpret=True``.
 
   Attributes:
     config: the tiling; its ``None`` fields follow the TPU generation.
