@@ -831,3 +831,29 @@ def test_offsets_under_x64():
     assert not any("64[" in text for text in wide)
     want, got = jax.jit(run)(wide_arrays, offsets_as(jnp.int64))
     _check_offset_results(want, got, f"seed={seed}")
+
+
+def test_offsets_lower_for_a_tpu_from_the_cpu():
+  """The block forward and backward with offsets (and every feature the
+  kernels serve) export for a TPU with the default tiling: Pallas's Mosaic
+  lowering accepts the offsets operand and its use in the element mask."""
+  from jax import export
+  case = _ALL_WITH_OFFSETS
+  rng = fresh_rng()
+  q, k, v, q_ids, kv_ids, d_out, d_lse = _offset_arrays(rng, case)
+  q, k, v, d_out = (x.astype(jnp.bfloat16) for x in (q, k, v, d_out))
+  backend = MosaicTpuBackend()
+
+  def block(q, k, v, q_offset, kv_offset):
+    mask = _offset_mask(case, q_ids, kv_ids, q_offset, kv_offset, case["s"],
+                        q.shape[0])
+    call = AttentionCall(q, k, v, None, mask, scale=0.3,
+                         logits_soft_cap=case["soft_cap"])
+    out, lse = backend.forward(call)
+    return out, lse, backend.backward(call, out, lse, d_out, d_lse)
+
+  offsets = (jnp.int32(case["q_offset"]), jnp.int32(case["kv_offset"]))
+  with jax.sharding.use_abstract_mesh(_tpu_mesh("TPU v5 lite", 1)):
+    exported = export.export(jax.jit(block), platforms=["tpu"])(
+        q, k, v, *offsets)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
