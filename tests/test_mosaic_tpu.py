@@ -625,16 +625,20 @@ def test_empty_axes(shape):
 # where the query block stands against the key blocks.
 _OFFSET_CASES = {
     # Queries wholly after the keys: every pair visible (FULL tiles).
-    "causal_ahead": dict(t=40, s=72, q_offset=80, kv_offset=0, split=40,
-                         is_causal=True),
-    "causal_overlapping": dict(t=40, s=56, q_offset=24, kv_offset=8,
-                               split=24, is_causal=True),
+    "causal_ahead_gqa_soft_cap": dict(
+        t=40, s=72, q_offset=80, kv_offset=0, split=40, is_causal=True,
+        heads=4, kv_heads=1, soft_cap=2.0),
+    "causal_overlapping_segments": dict(
+        t=40, s=56, q_offset=24, kv_offset=8, split=24, is_causal=True,
+        segments=True),
     # Queries mostly before the keys: rows that see nothing, and a second
     # key block that no query sees.
     "causal_behind": dict(t=40, s=48, q_offset=0, kv_offset=30, split=24,
                           is_causal=True),
-    "window_both_sides": dict(t=40, s=64, q_offset=100, kv_offset=90,
-                              split=32, window=(6, 9)),
+    # Global lengths that end inside the blocks.
+    "window_both_sides_lengths": dict(
+        t=40, s=64, q_offset=100, kv_offset=90, split=32, window=(6, 9),
+        q_lengths=(125, 140), kv_lengths=(120, 200)),
     # The band misses the first key block entirely.
     "window_misses_a_block": dict(t=24, s=80, q_offset=50, kv_offset=20,
                                   split=20, window=(4, 4)),
@@ -642,13 +646,6 @@ _OFFSET_CASES = {
     # gradients (and no NaN).
     "window_misses_all": dict(t=24, s=40, q_offset=0, kv_offset=100,
                               split=16, window=(3, 2)),
-    "segments": dict(t=40, s=56, q_offset=32, kv_offset=16, split=24,
-                     is_causal=True, segments=True),
-    # Global lengths that end inside the blocks (and one row with none).
-    "lengths": dict(t=40, s=56, q_offset=40, kv_offset=30, split=32,
-                    window=(20, 5), q_lengths=(60, 40), kv_lengths=(70, 200)),
-    "gqa_soft_cap": dict(t=40, s=56, q_offset=16, kv_offset=0, split=24,
-                         heads=4, kv_heads=1, is_causal=True, soft_cap=2.0),
 }
 
 
