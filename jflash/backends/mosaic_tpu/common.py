@@ -39,7 +39,9 @@ class Plan:
 
   Attributes:
     scale, soft_cap: the logit transform.
-    rules: the call's mask with its arrays dropped (static rules only).
+    rules: the call's :meth:`~jflash.masks.AttentionMask.static_rules`
+      (no arrays; ``has_offsets`` kept, so a window clamps as the call's
+      mask clamps it).
     block_q, block_kv: the tiling shared by all three kernels.
     num_q, num_kv: blocks along ``T`` and ``S``.
     kv_steps: grid extent over the visited key blocks of a query block
@@ -50,8 +52,8 @@ class Plan:
     per_batch: the schedule has one entry per batch row (lengths or segment
       ids are present and the per-row schedule fits SMEM); otherwise one
       entry serves every row.
-    has_segments: the kernels receive segment ids (lengths reach them by
-      scalar prefetch, see :func:`scalar_operands`).
+    has_segments: the kernels receive segment ids (lengths and offsets
+      reach them by scalar prefetch, see :func:`scalar_operands`).
     interpret: ``pallas_call``'s ``interpret`` argument.
     vmem_limit_bytes: scoped VMEM per kernel.
   """
