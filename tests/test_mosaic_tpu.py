@@ -8,6 +8,7 @@ shapes span several tiles in both directions.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +16,17 @@ import numpy as np
 import pytest
 
 import jflash
-from jflash import masks
+from jflash import masks, reference
 from jax.experimental import pallas as pl
 
+from jflash.backends.base import AttentionCall
 from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
 from jflash.backends.mosaic_tpu import common, config, ops
 from jflash.backends.mosaic_tpu.config import GENERATIONS
 from tests import conformance
-from tests._support import (Case, fresh_rng, grads_of, random_qkv,
-                            random_segments, rel_err)
+from tests._support import (Case, fresh_rng, grads_of, lse_err,
+                            random_normal, random_qkv, random_segments,
+                            rel_err)
 
 SMALL = MosaicTpuBackend(MosaicTpuConfig(block_q=16, block_kv=32))
 
@@ -116,14 +119,22 @@ def _computed_tiles(monkeypatch, call) -> dict[str, np.ndarray]:
     dict(is_causal=True, local_window_size=(20, 0)),
     dict(is_causal=True, local_window_size=(7, 3),
          key_value_seq_lengths=np.array([100, 41], np.int32)),
-], ids=["causal_window", "causal_window_lengths"])
+    dict(is_causal=True, local_window_size=(20, 0), offsets=(37, 5),
+         key_value_seq_lengths=np.array([110, 60], np.int32)),
+], ids=["causal_window", "causal_window_lengths", "offsets"])
 def test_kernels_visit_only_nonempty_tiles(monkeypatch, kwargs):
   """Counted inside the kernels as they run: each computes exactly the
   tiles with a visible pair, per batch row, and the visit lists are
-  shorter than a full row of tiles (the grid itself shrinks)."""
+  shorter than a full row of tiles (the grid itself shrinks); with
+  offsets too (global lengths), whose schedule is computed at run time."""
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
             for k, v in kwargs.items()}
+  offsets = kwargs.pop("offsets", None)
   call, _ = _call(fresh_rng(), **kwargs)
+  if offsets is not None:
+    call = dataclasses.replace(call, mask=dataclasses.replace(
+        call.mask, q_offset=jnp.int32(offsets[0]),
+        kv_offset=jnp.int32(offsets[1])))
   visits = _computed_tiles(monkeypatch, call)
   plan = SMALL.plan(call)
   visible = np.asarray(call.mask.visibility())[:, 0]
@@ -604,3 +615,242 @@ def test_empty_axes(shape):
                    argnums=(0, 1, 2))(q, k, v)
   for g, x in zip(grads, (q, k, v)):
     assert g.shape == x.shape and not np.asarray(g).any()
+
+
+# --------------------------------------------------------------- offsets
+# A mask with offsets describes one block of longer sequences (a device's
+# shard, a ring step of context parallelism): causal, window and lengths
+# apply to the global positions t + q_offset and s + kv_offset.  Each case
+# splits its keys into two blocks at `split`, as a ring would, and names
+# where the query block stands against the key blocks.
+_OFFSET_CASES = {
+    # Queries wholly after the keys: every pair visible (FULL tiles).
+    "causal_ahead_gqa_soft_cap": dict(
+        t=40, s=72, q_offset=80, kv_offset=0, split=40, is_causal=True,
+        heads=4, kv_heads=1, soft_cap=2.0),
+    "causal_overlapping_segments": dict(
+        t=40, s=56, q_offset=24, kv_offset=8, split=24, is_causal=True,
+        segments=True),
+    # Queries mostly before the keys: rows that see nothing, and a second
+    # key block that no query sees.
+    "causal_behind": dict(t=40, s=48, q_offset=0, kv_offset=30, split=24,
+                          is_causal=True),
+    # Global lengths that end inside the blocks.
+    "window_both_sides_lengths": dict(
+        t=40, s=64, q_offset=100, kv_offset=90, split=32, window=(6, 9),
+        q_lengths=(125, 140), kv_lengths=(120, 200)),
+    # The band misses the first key block entirely.
+    "window_misses_a_block": dict(t=24, s=80, q_offset=50, kv_offset=20,
+                                  split=20, window=(4, 4)),
+    # The band misses every key: zeros, a logsumexp of -inf, zero
+    # gradients (and no NaN).
+    "window_misses_all": dict(t=24, s=40, q_offset=0, kv_offset=100,
+                              split=16, window=(3, 2)),
+}
+
+
+def _offset_mask(case: dict, q_ids, kv_ids, q_offset, kv_offset, kv_len,
+                 batch: int) -> masks.AttentionMask:
+  """The case's mask over ``kv_len`` keys at global ``kv_offset``
+  (lengths in the offsets' integer type)."""
+  lengths = {name: None if case.get(name) is None else
+             jnp.asarray(case[name], q_offset.dtype)
+             for name in ("q_lengths", "kv_lengths")}
+  return masks.AttentionMask(
+      batch=batch, q_len=case["t"], kv_len=kv_len,
+      is_causal=case.get("is_causal", False), window=case.get("window"),
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_offset=q_offset,
+      kv_offset=kv_offset, **lengths)
+
+
+def _offset_results(case: dict, arrays, offsets):
+  """Reference and kernel results of one case (traced: the offsets are
+  per-call values).
+
+  Returns ``(want, got)``, each a dict with the whole call's ``out``,
+  ``lse`` and gradients ``grads`` (through ``__call__``, with random
+  cotangents of both outputs), and, for ``got``, ``blocks``: each key
+  block's block ``forward``, and ``block_grads``: dQ summed over the key
+  blocks' block ``backward`` (given the whole call's reference ``out``
+  and ``lse``), dK and dV concatenated.  ``want["blocks"]`` is the
+  reference on each key block's mask.
+  """
+  q, k, v, q_ids, kv_ids, d_out, d_lse = arrays
+  q_offset, kv_offset = offsets
+  split, s = case["split"], case["s"]
+  scale, cap = 0.3, case.get("soft_cap")
+  batch = q.shape[0]
+
+  def call_of(k, v, kv_ids, kv_offset, mask_len):
+    mask = _offset_mask(case, q_ids, kv_ids, q_offset, kv_offset, mask_len,
+                        batch)
+    return AttentionCall(q, k, v, None, mask, scale=scale,
+                         logits_soft_cap=cap, returns_residual=True,
+                         interpret=True)
+
+  def cut(x, lo, hi):
+    return None if x is None else x[:, lo:hi]
+
+  full = call_of(k, v, kv_ids, kv_offset, s)
+  blocks = [call_of(cut(k, lo, hi), cut(v, lo, hi), cut(kv_ids, lo, hi),
+                    kv_offset + lo, hi - lo)
+            for lo, hi in ((0, split), (split, s))]
+
+  def reference_of(call):
+    def run(q, k, v):
+      return reference.reference_attention(
+          q, k, v, None, call.mask, scale=scale, logits_soft_cap=cap)
+    return run
+
+  def with_grads(run):
+    (out, lse), vjp = jax.vjp(run, q, k, v)
+    # The reference computes in float64 under x64.
+    grads = vjp((d_out.astype(out.dtype), d_lse.astype(lse.dtype)))
+    return dict(out=out, lse=lse, grads=grads)
+
+  want = with_grads(reference_of(full))
+  want["blocks"] = [reference_of(c)(c.query, c.key, c.value) for c in blocks]
+  got = with_grads(lambda q, k, v: SMALL(
+      dataclasses.replace(full, query=q, key=k, value=v)))
+  got["blocks"] = [SMALL.forward(c) for c in blocks]
+  parts = [SMALL.backward(c, want["out"], want["lse"], d_out, d_lse)
+           for c in blocks]
+  got["block_grads"] = (sum(p[0] for p in parts),
+                        jnp.concatenate([p[1] for p in parts], axis=1),
+                        jnp.concatenate([p[2] for p in parts], axis=1))
+  return want, got
+
+
+def _offset_arrays(rng, case: dict):
+  b, t, s = 2, case["t"], case["s"]
+  q, k, v = random_qkv(rng, b=b, t=t, s=s, n=case.get("heads", 4),
+                       k=case.get("kv_heads", 2), h=32)
+  q_ids = kv_ids = None
+  if case.get("segments"):
+    q_ids = jnp.asarray(random_segments(rng, b, t))
+    kv_ids = jnp.asarray(random_segments(rng, b, s))
+  d_out = random_normal(rng, q.shape, jnp.float32)
+  d_lse = random_normal(rng, q.shape[:3], jnp.float32)
+  return q, k, v, q_ids, kv_ids, d_out, d_lse
+
+
+def _check_offset_results(want, got, info: str) -> None:
+  assert rel_err(got["out"], want["out"]) < 1e-5, info
+  assert lse_err(got["lse"], want["lse"]) < 1e-5, info
+  for (out, lse), (w_out, w_lse) in zip(got["blocks"], want["blocks"]):
+    assert rel_err(out, w_out) < 1e-5, info
+    assert lse_err(lse, w_lse) < 1e-5, info
+  for grads in (got["grads"], got["block_grads"]):
+    for name, g, w in zip("qkv", grads, want["grads"]):
+      assert np.isfinite(np.asarray(g)).all(), (name, info)
+      assert rel_err(g, w) < 1e-5, (name, info)
+
+
+@pytest.mark.parametrize("name", list(_OFFSET_CASES))
+def test_offsets_match_reference(name):
+  """Masks with offsets, the offsets traced: ``__call__`` (output,
+  logsumexp, gradients), the block ``forward`` of each key block, and the
+  block ``backward`` of each key block given the whole call's output and
+  logsumexp (summed as context parallelism sums them), all against the
+  reference."""
+  case = _OFFSET_CASES[name]
+  rng, seed = conformance.new_rng()
+  arrays = _offset_arrays(rng, case)
+  offsets = (jnp.int32(case["q_offset"]), jnp.int32(case["kv_offset"]))
+  want, got = jax.jit(functools.partial(_offset_results, case))(arrays,
+                                                               offsets)
+  _check_offset_results(want, got, f"seed={seed}")
+
+
+def test_one_trace_serves_any_offsets():
+  """The offsets are per-call values: one jitted block forward serves
+  query blocks ahead of, behind and overlapping the key block (each with
+  its own tile schedule, computed at run time)."""
+  case = dict(t=40, s=48, is_causal=True, window=(30, 0))
+  rng, seed = conformance.new_rng()
+  q, k, v = random_qkv(rng, b=2, t=40, s=48, n=4, k=2, h=32)
+  traces = []
+
+  def block_forward(q_offset, kv_offset):
+    traces.append(1)
+    mask = _offset_mask(case, None, None, q_offset, kv_offset, 48, 2)
+    return SMALL.forward(AttentionCall(q, k, v, None, mask, scale=0.3,
+                                       logits_soft_cap=None, interpret=True))
+
+  block_forward = jax.jit(block_forward)
+  for offsets in ((90, 0), (0, 30), (20, 10)):
+    q_offset, kv_offset = (jnp.int32(x) for x in offsets)
+    out, lse = block_forward(q_offset, kv_offset)
+    mask = _offset_mask(case, None, None, q_offset, kv_offset, 48, 2)
+    w_out, w_lse = reference.reference_attention(q, k, v, None, mask,
+                                                 scale=0.3)
+    assert rel_err(out, w_out) < 1e-5, (offsets, seed)
+    assert lse_err(lse, w_lse) < 1e-5, (offsets, seed)
+  assert len(traces) == 1
+
+
+_ALL_WITH_OFFSETS = dict(t=40, s=56, q_offset=30, kv_offset=20, split=24,
+                         is_causal=True, window=(25, 0), segments=True,
+                         q_lengths=(65, 50), kv_lengths=(60, 76),
+                         soft_cap=2.0)
+
+
+def test_offsets_under_x64():
+  """Under ``jax_enable_x64``, with int64 offsets, lengths and segment
+  ids: the kernels trace to the same jaxprs as without it (all index math
+  int32), and every result matches the float64 reference."""
+  case = _ALL_WITH_OFFSETS
+  rng, seed = conformance.new_rng()
+  arrays = _offset_arrays(rng, case)
+  run = functools.partial(_offset_results, case)
+
+  def kernel_texts(arrays, offsets):
+    jaxpr = jax.make_jaxpr(run)(arrays, offsets)
+    return [str(eqn.params["jaxpr"]) + "\n".join(
+        str(b.index_map_jaxpr)
+        for b in eqn.params["grid_mapping"].block_mappings)
+            for eqn in _pallas_calls(jaxpr.jaxpr)]
+
+  def offsets_as(dtype):
+    return tuple(jnp.asarray(case[name], dtype)
+                 for name in ("q_offset", "kv_offset"))
+
+  plain = kernel_texts(arrays, offsets_as(jnp.int32))
+  with jax.enable_x64(True):
+    wide_arrays = tuple(
+        None if x is None else
+        x.astype(jnp.int64) if jnp.issubdtype(x.dtype, jnp.integer) else x
+        for x in arrays)
+    wide = kernel_texts(wide_arrays, offsets_as(jnp.int64))
+    # Forward and backward of __call__ (3), two block forwards and two
+    # block backwards (2 each).
+    assert len(wide) == 9 and wide == plain
+    assert not any("64[" in text for text in wide)
+    want, got = jax.jit(run)(wide_arrays, offsets_as(jnp.int64))
+    _check_offset_results(want, got, f"seed={seed}")
+
+
+def test_offsets_lower_for_a_tpu_from_the_cpu():
+  """The block forward and backward with offsets (and every feature the
+  kernels serve) export for a TPU with the default tiling: Pallas's Mosaic
+  lowering accepts the offsets operand and its use in the element mask."""
+  from jax import export
+  case = _ALL_WITH_OFFSETS
+  rng = fresh_rng()
+  q, k, v, q_ids, kv_ids, d_out, d_lse = _offset_arrays(rng, case)
+  q, k, v, d_out = (x.astype(jnp.bfloat16) for x in (q, k, v, d_out))
+  backend = MosaicTpuBackend()
+
+  def block(q, k, v, q_offset, kv_offset):
+    mask = _offset_mask(case, q_ids, kv_ids, q_offset, kv_offset, case["s"],
+                        q.shape[0])
+    call = AttentionCall(q, k, v, None, mask, scale=0.3,
+                         logits_soft_cap=case["soft_cap"])
+    out, lse = backend.forward(call)
+    return out, lse, backend.backward(call, out, lse, d_out, d_lse)
+
+  offsets = (jnp.int32(case["q_offset"]), jnp.int32(case["kv_offset"]))
+  with jax.sharding.use_abstract_mesh(_tpu_mesh("TPU v5 lite", 1)):
+    exported = export.export(jax.jit(block), platforms=["tpu"])(
+        q, k, v, *offsets)
+  assert exported.mlir_module().count("tpu_custom_call") == 3

@@ -44,9 +44,12 @@ class MosaicTpuBackend:
 
   Serves float32, bfloat16 and float16 (computed by the float32 kernels)
   with head dims up to 256, causal, windows, lengths, segment ids, GQA/MQA
-  and soft cap.  Declines (``NotImplementedError``): a dense ``bias`` or
-  boolean ``mask`` (``xla`` serves them), other dtypes, larger head dims,
-  and any platform but a TPU unless the call asks for ``interpret=True``.
+  and soft cap, also for masks with query/key offsets (one block of
+  context parallelism, through :meth:`forward` and :meth:`backward` as
+  well as the ordinary call).  Declines (``NotImplementedError``): a dense
+  ``bias`` or boolean ``mask`` (``xla`` serves them), other dtypes, larger
+  head dims, and any platform but a TPU unless the call asks for
+  ``interpret=True``.
 
   Attributes:
     config: the tiling; its ``None`` fields follow the TPU generation.
@@ -132,11 +135,9 @@ class MosaicTpuBackend:
     if call.interpret:
       interpret = (True if self.config.interpret_params is None
                    else self.config.interpret_params)
-    rules = dataclasses.replace(mask, q_lengths=None, kv_lengths=None,
-                                q_segment_ids=None, kv_segment_ids=None,
-                                dense=None)
     return Plan(
-        scale=float(call.scale), soft_cap=call.logits_soft_cap, rules=rules,
+        scale=float(call.scale), soft_cap=call.logits_soft_cap,
+        rules=mask.static_rules(),
         block_q=block_q, block_kv=block_kv, num_q=num_q, num_kv=num_kv,
         kv_steps=kv_steps, q_steps=q_steps, head_dim=head_padded,
         per_batch=per_batch, has_segments=mask.q_segment_ids is not None,
@@ -157,10 +158,6 @@ class MosaicTpuBackend:
       raise NotImplementedError(
           f"{self.name}: a dense boolean mask is not supported by these "
           "kernels; the 'xla' backend serves it")
-    if call.mask.has_offsets:
-      raise NotImplementedError(
-          f"{self.name}: sequence offsets (context parallelism) are not "
-          "supported yet")
     if call.dtype not in _DTYPES:
       raise NotImplementedError(
           f"{self.name}: dtype {call.dtype} is not supported (float32, "

@@ -39,7 +39,9 @@ class Plan:
 
   Attributes:
     scale, soft_cap: the logit transform.
-    rules: the call's mask with its arrays dropped (static rules only).
+    rules: the call's :meth:`~jflash.masks.AttentionMask.static_rules`
+      (no arrays; ``has_offsets`` kept, so a window clamps as the call's
+      mask clamps it).
     block_q, block_kv: the tiling shared by all three kernels.
     num_q, num_kv: blocks along ``T`` and ``S``.
     kv_steps: grid extent over the visited key blocks of a query block
@@ -50,8 +52,8 @@ class Plan:
     per_batch: the schedule has one entry per batch row (lengths or segment
       ids are present and the per-row schedule fits SMEM); otherwise one
       entry serves every row.
-    has_segments: the kernels receive segment ids (lengths reach them by
-      scalar prefetch, see :func:`scalar_operands`).
+    has_segments: the kernels receive segment ids (lengths and offsets
+      reach them by scalar prefetch, see :func:`scalar_operands`).
     interpret: ``pallas_call``'s ``interpret`` argument.
     vmem_limit_bytes: scoped VMEM per kernel.
   """
@@ -184,12 +186,19 @@ def scalar_operands(visits: Array, count: Array,
                     mask: masks.AttentionMask) -> dict[str, Array]:
   """What a kernel reads from SMEM by scalar prefetch: its visit list and
   counts, then the per-row lengths the call has (``q_lengths``,
-  ``kv_lengths``)."""
+  ``kv_lengths``), then, for a mask with offsets (one block of longer
+  sequences), ``offsets``: int32 ``[2]``, the global positions of local
+  query 0 and key 0 (0 for an offset the mask leaves out).  A mask
+  without offsets passes none, so its kernels are unchanged."""
   scalars = {"visits": visits, "count": count}
   for name in ("q_lengths", "kv_lengths"):
     lengths = getattr(mask, name)
     if lengths is not None:
       scalars[name] = lengths.astype(jnp.int32)
+  if mask.has_offsets:
+    scalars["offsets"] = jnp.stack([
+        jnp.asarray(0 if x is None else x, jnp.int32).reshape(())
+        for x in (mask.q_offset, mask.kv_offset)])
   return scalars
 
 
@@ -262,6 +271,14 @@ def lengths_of(refs: dict[str, Any], b) -> tuple[Array | None, Array | None]:
   return q_length, kv_length
 
 
+def offsets_of(refs: dict[str, Any]) -> tuple[Array | None, Array | None]:
+  """The call's ``(q_offset, kv_offset)`` int32 scalars from SMEM, or
+  ``(None, None)`` for a mask without offsets."""
+  if "offsets" not in refs:
+    return None, None
+  return refs["offsets"][0], refs["offsets"][1]
+
+
 def logits(a: Array, b: Array, plan: Plan) -> tuple[Array, Array | None]:
   """``scale * a @ b.T`` in float32, soft-capped; also ``tanh(raw / cap)``
   for the cap's derivative (None without a cap)."""
@@ -285,11 +302,12 @@ def apply_mask(s: Array, plan: Plan, refs: dict[str, Any], *, b, q_start,
   Args:
     s: ``[bq, bk]`` logits, or ``[bk, bq]`` when ``transposed``.
     refs: the kernel's refs by name: the lengths (SMEM, read at batch row
-      ``b``) and the tile's segment ids (``q_ids``, ``kv_ids``, shaped to
-      broadcast along ``s``) where the call has them.
-    q_start, kv_start: first query / key position of the tile.
+      ``b``), the offsets (SMEM) and the tile's segment ids (``q_ids``,
+      ``kv_ids``, shaped to broadcast along ``s``) where the call has them.
+    q_start, kv_start: first local query / key position of the tile.
   """
   lengths = lengths_of(refs, b)
+  q_offset, kv_offset = offsets_of(refs)
   q_ids = refs["q_ids"][...] if plan.has_segments else None
   kv_ids = refs["kv_ids"][...] if plan.has_segments else None
   q_axis, kv_axis = (1, 0) if transposed else (0, 1)
@@ -300,7 +318,8 @@ def apply_mask(s: Array, plan: Plan, refs: dict[str, Any], *, b, q_start,
     kv_ids = jnp.broadcast_to(kv_ids, s.shape)
   visible = masks.visibility_at(plan.rules, q_idx, kv_idx,
                                 q_length=lengths[0], kv_length=lengths[1],
-                                q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+                                q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                q_offset=q_offset, kv_offset=kv_offset)
   return jnp.where(visible, s, jnp.float32(-jnp.inf)), visible
 
 
