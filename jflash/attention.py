@@ -496,7 +496,8 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
     call = dataclasses.replace(call, platform=platform)
   if parallel is not None and parallel.axis_name is not None:
     return _run_context(call, backends, parallel, parallel.axis_name,
-                        _axis_size(parallel.axis_name), platform)
+                        _axis_size(parallel.axis_name), platform,
+                        for_training)
   if (sharding.sequence_axes(call) is not None and call.bias is None
       and call.mask.dense is None):
     parallel = parallel or ContextParallel()
@@ -504,7 +505,7 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
 
     def run_local(local, axis, size):
       out, lse, name = _run_context(local, backends, parallel, axis, size,
-                                    platform)
+                                    platform, for_training)
       names.append(name)
       return out, lse
 
@@ -543,7 +544,8 @@ def _axis_size(axis_name: str | tuple[str, ...]) -> int:
 
 def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
                  parallel: ContextParallel, axis, size: int,
-                 platform: str | None) -> tuple[Array, Array, str]:
+                 platform: str | None, for_training: bool
+                 ) -> tuple[Array, Array, str]:
   """Context parallelism over ``axis`` (``size`` shards) on a call that
   holds one shard of each sequence."""
   if dispatch.needs_jax_derivatives(call):
@@ -558,13 +560,23 @@ def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
         "local_window_size, segment_ids and lengths")
   num_heads, num_kv_heads = call.query.shape[2], call.key.shape[2]
   plan = parallel.plan(axis, size, num_heads, num_kv_heads)
-  if backends is None:
-    target = platform or dispatch.target_platform()
-    target = target if target in dispatch.PLATFORMS else "cpu"
-    backends = dispatch.default_orders(call, target)[1]
-  backend = context.choose_backend(call, plan, backends)
-  out, lse = context.attend(call, backend, plan)
-  return out, lse, backend.name
+  plan.validate(call.query.shape[1], call.key.shape[1])
+
+  def sharded(order: tuple[Backend, ...]) -> tuple[Backend, ...]:
+    return tuple(context.ContextBackend(b, plan) for b in order)
+
+  if backends is not None:
+    return dispatch.run(call, sharded(backends))
+  if platform is not None:
+    inference, training = dispatch.default_orders(call, platform)
+    return dispatch.run(call, sharded(training if for_training
+                                      else inference))
+  orders = {p: tuple(sharded(order)
+                     for order in dispatch.default_orders(call, p))
+            for p in dispatch.PLATFORMS}
+  out, lse, names = dispatch.run_per_platform(call, orders)
+  host = dispatch.host_platform()
+  return out, lse, names.get(host, names.get("cpu"))
 
 
 def dot_product_attention(

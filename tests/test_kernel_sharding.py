@@ -71,17 +71,22 @@ def test_explicitly_sharded_inputs_run_per_shard(spec, per_call_mask):
     assert collective not in hlo
 
 
-def test_sequence_sharding_is_declined():
+def test_sequence_sharding_runs_the_kernel_per_block():
+  """A sequence sharded over an explicit mesh axis runs context
+  parallelism, every block on the kernel."""
   rng = fresh_rng()
-  q, key, value = random_qkv(rng, b=2, t=32, s=32, n=2, k=2, h=32)
+  q, key, value = random_qkv(rng, b=2, t=64, s=64, n=2, k=2, h=32)
   mesh = jax.make_mesh((2, 2), ("data", "model"),
                        axis_types=(AxisType.Explicit,) * 2)
-  sharding = NamedSharding(mesh, P(None, "data", None, None))
+  sharding = NamedSharding(mesh, P("model", "data", None, None))
+  fn = jax.jit(lambda q, k, v: jflash.dot_product_attention(
+      q, k, v, is_causal=True, implementation=SMALL, interpret=True))
   with jax.set_mesh(mesh):
-    args = [jax.device_put(x, sharding) for x in (q, key, value)]
-    with pytest.raises(NotImplementedError, match="sequence"):
-      jax.jit(lambda q, k, v: jflash.dot_product_attention(
-          q, k, v, implementation=SMALL, interpret=True))(*args)
+    out = fn(*[jax.device_put(x, sharding) for x in (q, key, value)])
+  want = jflash.dot_product_attention(q, key, value, is_causal=True,
+                                      implementation="xla")
+  assert rel_err(out, want) < 1e-5
+  assert out.sharding.is_equivalent_to(sharding, 4)
 
 
 def test_auto_sharding_still_exact():

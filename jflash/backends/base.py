@@ -80,3 +80,18 @@ class Backend(Protocol):
     """Returns ``(out [B, T, N, H], logsumexp [B, T, N] float32)`` or raises
     ``NotImplementedError``."""
     ...
+
+
+def varying_result(shape: tuple[int, ...], dtype, inputs) -> jax.ShapeDtypeStruct:
+  """The type of a kernel's output computed from ``inputs``: inside a
+  ``jax.shard_map`` that checks how values vary across mesh axes
+  (``check_vma``), it varies over every axis any input varies over, as an
+  element-wise function of them would."""
+  varying = frozenset()
+  for x in jax.tree.leaves(inputs):
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    if mat is not None:
+      varying |= mat.varying
+  return jax.ShapeDtypeStruct(
+      shape, dtype,
+      manual_axis_type=jax.sharding.ManualAxisType(varying=varying))

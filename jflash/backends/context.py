@@ -438,38 +438,30 @@ def _attend_bwd(static: _Static, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-# ------------------------------------------------------------------ choice
-def choose_backend(call: AttentionCall, plan: Plan,
-                   order: tuple[Backend, ...]) -> Backend:
-  """The first backend of ``order`` with block methods that serves the
-  blocks of ``call`` (traced abstractly on a block of the plan's shape)."""
-  t, s = call.query.shape[1], call.key.shape[1]
-  q_part = plan.chunks(0, t)[0]
-  kv_part = plan.chunks(0, s)[0]
-  if plan.strategy == "all_gather":
-    kv_part = (0, plan.size * s, 0)
-  key_shape = call.key.shape[:1] + (max(kv_part[1], s),) + call.key.shape[2:]
-  keys = jax.ShapeDtypeStruct(key_shape, call.key.dtype)
-  ids = call.mask.kv_segment_ids
-  if ids is not None:
-    ids = jax.ShapeDtypeStruct(key_shape[:2], ids.dtype)
-  reasons = []
-  for backend in order:
-    if not (hasattr(backend, "forward") and hasattr(backend, "backward")):
-      reasons.append(f"{backend.name}: serves no blocks of a sharded "
-                     "sequence")
-      continue
+# ----------------------------------------------------------------- backend
+@dataclasses.dataclass(frozen=True)
+class ContextBackend:
+  """A backend that computes a call holding one shard of each sequence by
+  context parallelism over ``plan``, each block served by the block
+  methods of ``inner``; it declines (``NotImplementedError``) where
+  ``inner`` declines a block, so that dispatch tries the next backend of
+  an order as for any call.
 
-    def trace(k, v, ids, backend=backend):
-      return backend.forward(_block_call(call, q_part, kv_part, (k, v, ids)))
+  Attributes:
+    inner: the backend of every block.
+    plan: the mesh axis, strategy and layout.
+  """
 
-    try:
-      jax.eval_shape(trace, keys, keys, ids)
-    except NotImplementedError as err:
-      reasons.append(str(err))
-      continue
-    return backend
-  raise NotImplementedError(
-      f"no backend in {[b.name for b in order]} serves the blocks of a "
-      f"context-parallel call ({call.shape_description}):\n  "
-      + "\n  ".join(reasons))
+  inner: Backend
+  plan: Plan
+
+  @property
+  def name(self) -> str:
+    return self.inner.name
+
+  def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
+    if not (hasattr(self.inner, "forward")
+            and hasattr(self.inner, "backward")):
+      raise NotImplementedError(
+          f"{self.inner.name}: serves no blocks of a sharded sequence")
+    return attend(call, self.inner, self.plan)

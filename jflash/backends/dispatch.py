@@ -92,7 +92,8 @@ def run(call: AttentionCall, backends: tuple[Backend, ...]
 
 def _portable(backend: Backend) -> bool:
   """A backend in plain ``jax.numpy`` traces alike for every platform."""
-  return isinstance(backend, XlaBackend)
+  # A context-parallel backend is as portable as the backend of its blocks.
+  return isinstance(getattr(backend, "inner", backend), XlaBackend)
 
 
 Orders = tuple[tuple[Backend, ...], tuple[Backend, ...]]

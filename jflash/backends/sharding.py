@@ -4,10 +4,9 @@ A Pallas kernel sees one device's arrays.  When the inputs carry explicit
 shardings (``jax.sharding.AxisType.Explicit`` meshes), the batch and head
 axes are independent, so :func:`per_shard` runs the backend inside
 ``jax.shard_map`` on each device's block, with no communication.  Inputs
-sharded along a sequence or head-dim axis are declined
-(``NotImplementedError``): attention would need the other devices' keys.
-Under ``Auto`` sharding the shardings are not known while tracing, and the
-kernel runs on whole arrays as XLA places them.
+whose sequence axis is sharded go to :func:`run_sequence_sharded`, which
+runs context parallelism (:mod:`jflash.backends.context`) inside a
+``shard_map`` over the batch, sequence and head axes.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jflash import masks
 from jflash.backends import trace_time
+from jflash.backends.base import varying_result
 
 Array = jax.Array
 
@@ -247,13 +248,15 @@ def call_kernel(body, operands: KernelOperands, *, plan: Plan,
       in_specs=[spec for _, spec in operands.inputs.values()],
       out_specs=[spec for _, spec in operands.outputs.values()],
       scratch_shapes=list(operands.scratch.values()))
+  arrays = (*operands.scalars.values(),
+            *(array for array, _ in operands.inputs.values()))
   return pl.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=[shape for shape, _ in operands.outputs.values()],
+      out_shape=[varying_result(shape.shape, shape.dtype, arrays)
+                 for shape, _ in operands.outputs.values()],
       compiler_params=plan.compiler_params(semantics),
       interpret=plan.interpret, name=name,
-  )(*operands.scalars.values(),
-    *(array for array, _ in operands.inputs.values()))
+  )(*arrays)
 
 
 # ------------------------------------------------------------ kernel side
