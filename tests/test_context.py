@@ -370,3 +370,63 @@ def test_demo_model_on_a_data_by_context_mesh_matches_one_device():
   assert abs(float(got_loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     assert rel_err(g, r) < 1e-4
+
+
+# ---------------------------------------------------------------- kernels
+@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"),
+                                             ("all_gather", "contiguous")])
+def test_blocks_on_the_tpu_kernels(strategy, layout):
+  # Pallas's interpret mode cannot evaluate its index maps on values that
+  # vary across a checked shard_map's axes, hence check_vma=False here.
+  from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
+  small = MosaicTpuBackend(MosaicTpuConfig(block_q=16, block_kv=16))
+  rng = fresh_rng()
+  n, b, t = 4, 1, 64
+  mesh = _mesh((n,), ("c",))
+  q, k, v = random_qkv(rng, b=b, t=t, s=t, n=4, k=2, h=16)
+  ids = jnp.asarray(random_segments(rng, b, t, 4))
+  cp = jflash.ContextParallel(strategy=strategy, layout=layout,
+                              axis_name="c")
+  arrange = ((lambda x: jflash.load_balance(x, n)) if layout == "zigzag"
+             else (lambda x: x))
+  restore = ((lambda x: jflash.restore_order(x, n)) if layout == "zigzag"
+             else (lambda x: x))
+  spec = P(None, "c")
+  run = jax.shard_map(
+      lambda q, k, v, ids: jflash.dot_product_attention(
+          q, k, v, is_causal=True, segment_ids=ids, implementation=small,
+          interpret=True, context_parallel=cp),
+      mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
+  case = Case(q, k, v, kwargs={"is_causal": True, "segment_ids": ids})
+  cotangent = jnp.asarray(rng.standard_normal(q.shape, np.float32))
+
+  def loss(q, k, v):
+    out = restore(run(*(arrange(x) for x in (q, k, v, ids))))
+    return jnp.sum(out * cotangent), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  assert rel_err(out, case.call_reference(q, k, v, None)[0]) < TOL
+  ref_grads = jax.grad(lambda q, k, v: jnp.sum(
+      case.call_reference(q, k, v, None, jit=False)[0] * cotangent),
+      argnums=(0, 1, 2))(q, k, v)
+  for g, r in zip(grads, ref_grads):
+    assert rel_err(g, r) < TOL
+
+
+def test_export_for_tpu_runs_the_tpu_kernels_per_block():
+  # The backend of each block follows the platform lowered for, not the
+  # host: exporting for a TPU from this CPU gets the TPU kernels.
+  mesh = _mesh((4,), ("c",), AxisType.Explicit)
+  spec = P(None, "c")
+  cp = jflash.ContextParallel(strategy="ring", axis_name="c")
+  fn = jax.jit(jax.shard_map(
+      lambda q, k, v: jflash.dot_product_attention(
+          q, k, v, is_causal=True, context_parallel=cp),
+      mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+  x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, spec))
+  for platform, kernels in (("tpu", True), ("cpu", False)):
+    text = jax.export.export(fn, platforms=[platform])(x, x, x).mlir_module()
+    assert ("tpu_custom_call" in text) == kernels
+    assert "collective_permute" in text
