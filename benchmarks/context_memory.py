@@ -22,7 +22,11 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--devices", type=int, default=8,
                  help="host devices to force on a CPU")
-  p.add_argument("--seq-len", type=int, default=32768)
+  p.add_argument("--seq-len", type=int, default=32768,
+                 help="global sequence length (strong scaling)")
+  p.add_argument("--per-device-len", type=int, default=0,
+                 help="if set, the sequence length per device instead "
+                 "(weak scaling: the global length grows with the shards)")
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--kv-heads", type=int, default=8)
   p.add_argument("--head-dim", type=int, default=64)
@@ -53,9 +57,11 @@ def main(argv=None) -> list[dict]:
                          axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:shards])
     seq = NamedSharding(mesh, P(None, "context"))
-    q = jax.ShapeDtypeStruct((1, args.seq_len, args.heads, args.head_dim),
+    length = (shards * args.per_device_len if args.per_device_len
+              else args.seq_len)
+    q = jax.ShapeDtypeStruct((1, length, args.heads, args.head_dim),
                              dtype, sharding=seq)
-    kv = jax.ShapeDtypeStruct((1, args.seq_len, args.kv_heads,
+    kv = jax.ShapeDtypeStruct((1, length, args.kv_heads,
                                args.head_dim), dtype, sharding=seq)
     for strategy in ("ring", "all_gather"):
       cp = jflash.ContextParallel(strategy=strategy)
@@ -69,7 +75,7 @@ def main(argv=None) -> list[dict]:
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
             q, kv, kv).compile()
       stats = compiled.memory_analysis()
-      rows.append({"shards": shards, "strategy": strategy,
+      rows.append({"shards": shards, "strategy": strategy, "seq_len": length,
                    "temp_bytes": int(stats.temp_size_in_bytes),
                    "argument_bytes": int(stats.argument_size_in_bytes)})
       print(f"{shards:3d} shards  {strategy:10s}  temp "
@@ -82,7 +88,9 @@ def main(argv=None) -> list[dict]:
     args.out.write_text(json.dumps({
         "platform": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
-        "problem": f"B=1 T=S={args.seq_len} N={args.heads} K={args.kv_heads}"
+        "problem": (f"B=1 T=S={args.seq_len}" if not args.per_device_len
+                    else f"B=1 T=S={args.per_device_len} per device") +
+                   f" N={args.heads} K={args.kv_heads}"
                    f" H={args.head_dim} {dtype.name} causal, fwd+bwd",
         "rows": rows}, indent=1))
   return rows
