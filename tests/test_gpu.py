@@ -601,13 +601,20 @@ _OFFSET_DTYPES = [("bf16", jnp.bfloat16, name) for name in _OFFSET_CASES] + [
                                              "segments_lengths")]
 
 
+def _on_arrays(fn, call):
+  """``fn(call)`` jitted with the call's query, key and value as
+  arguments (not constants for XLA to fold)."""
+  return jax.jit(lambda q, k, v: fn(dataclasses.replace(
+      call, query=q, key=k, value=v)))(call.query, call.key, call.value)
+
+
 def _check_out_and_lse(out, lse, call, info):
   """``out`` and ``lse`` against the exact reference: no NaN, rows that see
   nothing exactly zero with ``-inf`` logsumexp, the output within twice
   the plain same-dtype error (plus the conformance floor), the logsumexp
   within the conformance bound."""
-  ref_out, ref_lse = jax.jit(lambda: _exact(call))()
-  plain_out, _ = jax.jit(lambda: _plain_with_lse(call))()
+  ref_out, ref_lse = _on_arrays(_exact, call)
+  plain_out, _ = _on_arrays(_plain_with_lse, call)
   out32 = np.asarray(out, np.float32)
   assert not np.isnan(out32).any(), info
   dead = np.isneginf(np.asarray(ref_lse))
@@ -624,16 +631,17 @@ def _check_grads(got, call, d_out, d_lse, info):
   """``(dq, dk, dv)`` against the exact reference's gradients for the
   cotangents ``(d_out, d_lse)``, within twice the plain same-dtype
   implementation's error plus the conformance floor."""
-  def vjp_of(fn, arrays, cotangents):
-    def f(q, k, v):
-      return fn(dataclasses.replace(call, query=q, key=k, value=v))
-    _, vjp = jax.vjp(f, *arrays)
-    return vjp(cotangents)
+  def vjp_of(fn, up: bool):
+    def grads(q, k, v, d_out, d_lse):
+      if up:
+        q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
+      _, vjp = jax.vjp(lambda q, k, v: fn(
+          dataclasses.replace(call, query=q, key=k, value=v)), q, k, v)
+      return vjp((d_out, d_lse))
+    return jax.jit(grads)(call.query, call.key, call.value, d_out, d_lse)
   arrays = (call.query, call.key, call.value)
-  want = jax.jit(lambda: vjp_of(
-      _exact, [x.astype(jnp.float32) for x in arrays],
-      (d_out.astype(jnp.float32), d_lse)))()
-  plain = jax.jit(lambda: vjp_of(_plain_with_lse, arrays, (d_out, d_lse)))()
+  want = vjp_of(_exact, up=True)
+  plain = vjp_of(_plain_with_lse, up=False)
   for name, g, w, p, x in zip("qkv", got, want, plain, arrays):
     g32 = np.asarray(g, np.float32)
     assert g.dtype == x.dtype and g.shape == x.shape, (name, info)
