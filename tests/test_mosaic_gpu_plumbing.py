@@ -1034,3 +1034,27 @@ def test_offset_calls_lower_to_mosaic_gpu(head_dim, rules, x64, config):
   # forward, then dQ and dK/dV or the one fused backward.
   per_backward = 1 if config.get("fuse_dq") else 2
   assert text.count("custom_call @mosaic_gpu") == 2 * (1 + per_backward)
+
+
+def test_offset_masks_keep_the_default_order_where_cudnn_declines():
+  """A causal block with offsets is its own kind in the measured table:
+  the H100 entry that puts cuDNN first for causal training at this size
+  does not apply, the default order stands, and its cuDNN declines the
+  call so that mosaic_gpu comes next."""
+  from jflash.backends import cudnn, gpu_table
+  from jflash.backends.base import AttentionCall
+  q = jnp.zeros((1, 16384, 2, 128), jnp.bfloat16)
+  mask = masks.AttentionMask(batch=1, q_len=16384, kv_len=16384,
+                             is_causal=True)
+  plain = AttentionCall(q, q, q, None, mask, 0.1, None)
+  entry = gpu_table.lookup("H100", plain)
+  assert entry is not None and entry.training == "cudnn"
+  block = dataclasses.replace(plain, mask=dataclasses.replace(
+      mask, q_offset=jnp.asarray(16384, jnp.int32),
+      kv_offset=jnp.asarray(0, jnp.int32)))
+  assert gpu_table.mask_kind(block) == "offsets"
+  assert gpu_table.lookup("H100", block) is None
+  order = jflash.backends.default_order("cuda")
+  assert order.index("cudnn") < order.index("mosaic_gpu")
+  with pytest.raises(NotImplementedError, match="offsets"):
+    cudnn.CudnnBackend()(dataclasses.replace(block, platform="cuda"))
