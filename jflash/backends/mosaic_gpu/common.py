@@ -170,9 +170,11 @@ class MaskSpec:
     the call's offsets (:func:`offsets_of`), given exactly when
     ``has_offsets``."""
     if self.has_offsets != (q_offset is not None and kv_offset is not None):
-      raise ValueError(f"MaskSpec.tile_visibility: has_offsets is "
-                       f"{self.has_offsets} but q_offset={q_offset} and "
-                       f"kv_offset={kv_offset} were given")
+      raise ValueError(
+          f"MaskSpec.tile_visibility: has_offsets is {self.has_offsets}, "
+          f"expected both q_offset and kv_offset exactly then; got "
+          f"q_offset {'set' if q_offset is not None else 'None'} and "
+          f"kv_offset {'set' if kv_offset is not None else 'None'}")
     return masks.visibility_at(self.rules(), q_ids, kv_ids,
                                q_length=q_length, kv_length=kv_length,
                                q_segment_ids=q_seg, kv_segment_ids=kv_seg,
