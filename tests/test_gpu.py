@@ -635,9 +635,11 @@ def _check_grads(got, call, d_out, d_lse, info):
     def grads(q, k, v, d_out, d_lse):
       if up:
         q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
-      _, vjp = jax.vjp(lambda q, k, v: fn(
+      outs, vjp = jax.vjp(lambda q, k, v: fn(
           dataclasses.replace(call, query=q, key=k, value=v)), q, k, v)
-      return vjp((d_out, d_lse))
+      # Cotangents in the outputs' dtypes (float64 under x64).
+      return vjp(tuple(c.astype(o.dtype)
+                       for c, o in zip((d_out, d_lse), outs)))
     return jax.jit(grads)(call.query, call.key, call.value, d_out, d_lse)
   arrays = (call.query, call.key, call.value)
   want = vjp_of(_exact, up=True)
