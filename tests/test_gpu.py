@@ -3,6 +3,7 @@
 Run on a CUDA machine with ``pytest -m gpu``.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jflash
 from tests import conformance
-from tests._support import Case, grads_of, random_normal, rel_err
+from tests._support import Case, grads_of, lse_err, random_normal, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -468,3 +469,250 @@ def test_default_order_on_hopper_follows_the_table(head_dim, seq_len,
       reference, Case(q, k, v, kwargs=exact.kwargs), cot)))(*exact.arrays[:3])
   for label, x, ref in zip(("out", "dq", "dk", "dv"), got, want):
     assert rel_err(x, ref) < 1e-2, (label, rel_err(x, ref), seed)
+
+
+# ------------------------------------------------- blocks with offsets
+def _offset_visibility(batch: int, t: int, s: int, *, q_offset: int,
+                       kv_offset: int, is_causal: bool, window, q_lengths,
+                       kv_lengths, q_ids, kv_ids) -> np.ndarray:
+  """``[B, T, S]`` bool, written out in numpy from the semantics of a
+  block of longer sequences: causal, window and lengths at global
+  positions ``t + q_offset`` and ``s + kv_offset``, segment ids local."""
+  gq = np.arange(t)[:, None] + q_offset
+  gk = np.arange(s)[None, :] + kv_offset
+  vis = np.ones((batch, t, s), bool)
+  if is_causal:
+    vis &= gk <= gq
+  if window is not None:
+    vis &= (gk >= gq - window[0]) & (gk <= gq + window[1])
+  if q_lengths is not None:
+    vis &= gq[None] < np.asarray(q_lengths)[:, None, None]
+  if kv_lengths is not None:
+    vis &= gk[None] < np.asarray(kv_lengths)[:, None, None]
+  if q_ids is not None:
+    vis &= np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :]
+  return vis
+
+
+def _offset_block(rng, dtype, *, t, s, q_offset, kv_offset, is_causal=False,
+                  window=None, lengths=False, segments=False, kv_heads=2,
+                  head_dim=64, soft_cap=None):
+  """Random inputs of one block (4 query heads) and its ``AttentionCall``
+  builder ``call(q, k, v)``; the mask is checked against
+  :func:`_offset_visibility` before use."""
+  from jflash import masks
+  from jflash.backends.base import AttentionCall
+  batch, heads = 2, 4
+  q = random_normal(rng, (batch, t, heads, head_dim), dtype)
+  k = random_normal(rng, (batch, s, kv_heads, head_dim), dtype)
+  v = random_normal(rng, (batch, s, kv_heads, head_dim), dtype)
+  rules = {}
+  if lengths:
+    # Global lengths: row 0's end inside both blocks' span, row 1's at
+    # random (possibly before either block starts).
+    end = max(q_offset + t, kv_offset + s)
+    start = min(q_offset, kv_offset)
+    rules.update(
+        q_lengths=np.asarray([start + (end - start) * 2 // 3,
+                              rng.integers(0, end + 10)], np.int32),
+        kv_lengths=np.asarray([start + (end - start) // 2,
+                               rng.integers(0, end + 10)], np.int32))
+  if segments:
+    # Segment ids of the global sequence, cut at both blocks: segments
+    # cross the blocks' boundaries.
+    length = max(q_offset + t, kv_offset + s)
+    ids = np.cumsum(rng.random((batch, length)) < 8 / length, axis=1)
+    rules.update(q_segment_ids=ids[:, q_offset:q_offset + t].astype(np.int32),
+                 kv_segment_ids=ids[:, kv_offset:kv_offset + s].astype(
+                     np.int32))
+  mask = masks.AttentionMask(
+      batch=batch, q_len=t, kv_len=s, is_causal=is_causal, window=window,
+      q_offset=jnp.asarray(q_offset, jnp.int32),
+      kv_offset=jnp.asarray(kv_offset, jnp.int32),
+      **{n: jnp.asarray(x) for n, x in rules.items()})
+  want = _offset_visibility(
+      batch, t, s, q_offset=q_offset, kv_offset=kv_offset,
+      is_causal=is_causal, window=window, q_lengths=rules.get("q_lengths"),
+      kv_lengths=rules.get("kv_lengths"), q_ids=rules.get("q_segment_ids"),
+      kv_ids=rules.get("kv_segment_ids"))
+  np.testing.assert_array_equal(np.asarray(mask.visibility())[:, 0], want)
+  scale = 1.0 / np.sqrt(head_dim)
+
+  def call(q, k, v):
+    return AttentionCall(q, k, v, None, mask, scale, soft_cap,
+                         returns_residual=True)
+  return (q, k, v), call, want
+
+
+def _plain_with_lse(call):
+  """``(out, lse)`` of a plain materialized implementation in the inputs'
+  dtype (:func:`tests._support.plain_attention`; the logsumexp from its
+  float32 logits): the same-dtype error baseline."""
+  from tests._support import plain_attention
+  visible = call.mask.visibility()
+  out = plain_attention(call.query, call.key, call.value, None, visible,
+                        call.scale, call.logits_soft_cap)
+  groups = call.query.shape[2] // call.key.shape[2]
+  logits = jnp.einsum("btnh,bsnh->bnts", call.query,
+                      jnp.repeat(call.key, groups, axis=2),
+                      preferred_element_type=jnp.float32) * call.scale
+  if call.logits_soft_cap is not None:
+    cap = call.logits_soft_cap
+    logits = cap * jnp.tanh(logits / cap)
+  lse = jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf), axis=-1)
+  return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _exact(call):
+  """``(out, lse)`` of :func:`jflash.reference.reference_attention` in
+  float32."""
+  from jflash.reference import reference_attention
+  up = [x.astype(jnp.float32) for x in (call.query, call.key, call.value)]
+  return reference_attention(*up, None, call.mask, scale=call.scale,
+                             logits_soft_cap=call.logits_soft_cap)
+
+
+# Where the query block stands against the key block, and what hides
+# pairs; every case GQA (4 query heads) and lengths off the tiles.
+_OFFSET_CASES = {
+    "causal_ahead": dict(t=300, s=333, q_offset=400, kv_offset=0,
+                         is_causal=True),
+    "causal_overlap": dict(t=300, s=333, q_offset=150, kv_offset=37,
+                           is_causal=True),
+    "causal_behind": dict(t=300, s=200, q_offset=0, kv_offset=300,
+                          is_causal=True),
+    "window_left": dict(t=300, s=333, q_offset=333, kv_offset=0,
+                        is_causal=True, window=(250, 0)),
+    "window_both": dict(t=300, s=333, q_offset=100, kv_offset=180,
+                        window=(70, 40)),
+    "window_misses": dict(t=200, s=333, q_offset=2000, kv_offset=0,
+                          window=(300, 300)),
+    "segments_lengths": dict(t=300, s=333, q_offset=200, kv_offset=100,
+                             is_causal=True, segments=True, lengths=True),
+    "lengths_mqa": dict(t=300, s=333, q_offset=333, kv_offset=0,
+                        lengths=True, kv_heads=1),
+    "soft_cap_128": dict(t=300, s=333, q_offset=64, kv_offset=64,
+                         is_causal=True, soft_cap=2.0, head_dim=128),
+    "window_256": dict(t=300, s=333, q_offset=333, kv_offset=0,
+                       window=(300, 10), head_dim=256),
+}
+_OFFSET_DTYPES = [("bf16", jnp.bfloat16, name) for name in _OFFSET_CASES] + [
+    ("f16", jnp.float16, name) for name in ("causal_overlap", "window_misses",
+                                             "segments_lengths")]
+
+
+def _on_arrays(fn, call):
+  """``fn(call)`` jitted with the call's query, key and value as
+  arguments (not constants for XLA to fold)."""
+  return jax.jit(lambda q, k, v: fn(dataclasses.replace(
+      call, query=q, key=k, value=v)))(call.query, call.key, call.value)
+
+
+def _check_out_and_lse(out, lse, call, info):
+  """``out`` and ``lse`` against the exact reference: no NaN, rows that see
+  nothing exactly zero with ``-inf`` logsumexp, the output within twice
+  the plain same-dtype error (plus the conformance floor), the logsumexp
+  within the conformance bound."""
+  ref_out, ref_lse = _on_arrays(_exact, call)
+  plain_out, _ = _on_arrays(_plain_with_lse, call)
+  out32 = np.asarray(out, np.float32)
+  assert not np.isnan(out32).any(), info
+  dead = np.isneginf(np.asarray(ref_lse))
+  assert np.all(out32[dead] == 0), info
+  assert np.all(np.isneginf(np.asarray(lse))[dead]), info
+  bound = 2 * rel_err(plain_out, ref_out) + conformance.LOW_PRECISION_FLOOR
+  assert rel_err(out, ref_out) <= bound, info
+  scale = max(1.0, float(np.max(np.abs(
+      np.where(np.isfinite(ref_lse), ref_lse, 0)))))
+  assert lse_err(lse, ref_lse) < 2e-2 * scale, info
+
+
+def _check_grads(got, call, d_out, d_lse, info):
+  """``(dq, dk, dv)`` against the exact reference's gradients for the
+  cotangents ``(d_out, d_lse)``, within twice the plain same-dtype
+  implementation's error plus the conformance floor."""
+  def vjp_of(fn, up: bool):
+    def grads(q, k, v, d_out, d_lse):
+      if up:
+        q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
+      outs, vjp = jax.vjp(lambda q, k, v: fn(
+          dataclasses.replace(call, query=q, key=k, value=v)), q, k, v)
+      # Cotangents in the outputs' dtypes (float64 under x64).
+      return vjp(tuple(c.astype(o.dtype)
+                       for c, o in zip((d_out, d_lse), outs)))
+    return jax.jit(grads)(call.query, call.key, call.value, d_out, d_lse)
+  arrays = (call.query, call.key, call.value)
+  want = vjp_of(_exact, up=True)
+  plain = vjp_of(_plain_with_lse, up=False)
+  for name, g, w, p, x in zip("qkv", got, want, plain, arrays):
+    g32 = np.asarray(g, np.float32)
+    assert g.dtype == x.dtype and g.shape == x.shape, (name, info)
+    assert np.isfinite(g32).all(), (name, info)
+    bound = 2 * rel_err(p, w) + conformance.LOW_PRECISION_FLOOR
+    assert rel_err(g, w) <= bound, (name, rel_err(g, w), bound, info)
+
+
+def _offset_inputs(dtype_name, dtype, name):
+  rng, seed = conformance.new_rng()
+  arrays, call, visible = _offset_block(rng, dtype, **_OFFSET_CASES[name])
+  return rng, f"{name} {dtype_name} seed={seed}", arrays, call, visible
+
+
+@pytest.mark.parametrize("dtype_name,dtype,name", _OFFSET_DTYPES)
+def test_mosaic_gpu_offsets_forward(dtype_name, dtype, name):
+  """The block forward (``MosaicGpuBackend.forward``) of a query block
+  ahead of, behind or overlapping its key block: output and logsumexp
+  against the exact reference, rows that see nothing (a band that
+  misses the block, a causal block behind its keys, global lengths)
+  zero with ``-inf`` logsumexp."""
+  from jflash.backends.mosaic_gpu import MosaicGpuBackend
+  _, info, arrays, call, visible = _offset_inputs(dtype_name, dtype, name)
+  out, lse = jax.jit(lambda *a: MosaicGpuBackend().forward(call(*a)))(
+      *arrays)
+  assert out.shape == arrays[0].shape and lse.shape == out.shape[:-1]
+  _check_out_and_lse(out, lse, call(*arrays), info)
+  # The cases are built so that some rows of some blocks see nothing.
+  if name in ("causal_behind", "window_misses"):
+    assert not visible.any() and np.all(np.isneginf(np.asarray(lse)))
+
+
+@pytest.mark.parametrize("dtype_name,dtype,name", _OFFSET_DTYPES)
+def test_mosaic_gpu_offsets_block_backward(dtype_name, dtype, name):
+  """The block backward (``MosaicGpuBackend.backward``) given the block's
+  own output and logsumexp and random cotangents of both: gradients
+  against the exact reference's for the same cotangents."""
+  from jflash.backends.mosaic_gpu import MosaicGpuBackend
+  rng, info, arrays, call, _ = _offset_inputs(dtype_name, dtype, name)
+  backend = MosaicGpuBackend()
+  d_out = random_normal(rng, arrays[0].shape, dtype)
+  d_lse = random_normal(rng, arrays[0].shape[:-1], jnp.float32)
+
+  def block(q, k, v):
+    # The float32 output as the forward returns it.
+    out, lse = backend.forward(call(q, k, v))
+    return backend.backward(call(q, k, v), out, lse, d_out, d_lse)
+  got = jax.jit(block)(*arrays)
+  _check_grads(got, call(*arrays), d_out, d_lse, info)
+
+
+@pytest.mark.parametrize("fuse_dq", [False, True], ids=["two_pass", "fused"])
+@pytest.mark.parametrize("name", ["causal_overlap", "window_misses",
+                                  "segments_lengths", "soft_cap_128"])
+def test_mosaic_gpu_offsets_grad(name, fuse_dq):
+  """``jax.grad`` through the backend's differentiable call on a block
+  with offsets (the two-pass and the fused backward): gradients for
+  random cotangents of the output and logsumexp against the exact
+  reference's."""
+  from jflash.backends.mosaic_gpu import MosaicGpuBackend, MosaicGpuConfig
+  rng, info, arrays, call, _ = _offset_inputs("bf16", jnp.bfloat16, name)
+  backend = MosaicGpuBackend(MosaicGpuConfig(fuse_dq=fuse_dq))
+  d_out = random_normal(rng, arrays[0].shape, jnp.bfloat16)
+  d_lse = random_normal(rng, arrays[0].shape[:-1], jnp.float32)
+
+  def loss(q, k, v):
+    out, lse = backend(call(q, k, v))
+    lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    return (jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+            + jnp.sum(lse * d_lse))
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*arrays)
+  _check_grads(got, call(*arrays), d_out, d_lse, info)

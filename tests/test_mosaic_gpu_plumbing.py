@@ -832,3 +832,229 @@ def test_lowering_for_hopper_is_scoped():
     assert "custom_call @mosaic_gpu" in lower()
   with pytest.raises(NotImplementedError, match="Hopper"):
     lower()
+
+
+# ------------------------------------------------------------------ offsets
+def _offset_mask(rng, batch: int, t: int, s: int, *, q_offset: int,
+                 kv_offset: int, is_causal=False, window=None,
+                 lengths=False, segments=False) -> masks.AttentionMask:
+  """One block of longer sequences: local queries ``[0, t)`` at global
+  ``q_offset``, keys ``[0, s)`` at global ``kv_offset``; lengths are
+  global, segment ids local."""
+  rules = {}
+  if lengths:
+    # Global lengths that end inside, before and after each block.
+    rules.update(
+        q_lengths=jnp.asarray(rng.integers(0, q_offset + t + 40, batch),
+                              jnp.int32),
+        kv_lengths=jnp.asarray(rng.integers(0, kv_offset + s + 40, batch),
+                               jnp.int32))
+  if segments:
+    rules.update(
+        q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
+        kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
+  return masks.AttentionMask(
+      batch=batch, q_len=t, kv_len=s, is_causal=is_causal, window=window,
+      q_offset=jnp.asarray(q_offset, jnp.int32),
+      kv_offset=jnp.asarray(kv_offset, jnp.int32), **rules)
+
+
+# Query block ahead of, behind, and overlapping the key block, and (window
+# (50, 20)) a band that misses the block entirely.
+_OFFSET_PLACES = [(300, 0), (0, 300), (90, 40), (1000, 0)]
+
+
+@pytest.mark.parametrize("q_offset,kv_offset", _OFFSET_PLACES)
+@pytest.mark.parametrize("rules", [
+    dict(is_causal=True, lengths=True),
+    dict(window=(50, 20), segments=True),
+    # Sides wider than the block: they reach keys of other blocks, so a
+    # kernel must not clamp them to the block's lengths.
+    dict(is_causal=True, window=(400, 0)),
+    dict(window=(20, 500), lengths=True, segments=True),
+])
+def test_offset_tile_visibility_matches_the_mask(q_offset, kv_offset, rules):
+  """The kernels' element mask (``MaskSpec.tile_visibility`` with the
+  offsets the kernels read) agrees with the mask's own visibility for
+  every batch row, and refuses to run without the offsets it was built
+  for."""
+  rng = _rng()
+  batch, t, s = 2, 70, 90
+  mask = _offset_mask(rng, batch, t, s, q_offset=q_offset,
+                      kv_offset=kv_offset, **rules)
+  spec = MaskSpec.of(mask)
+  assert spec.has_offsets
+  offsets = mosaic_gpu._mask_inputs(
+      mask, mosaic_gpu._Padded(t, s, t, s, 64))["offsets"]
+  np.testing.assert_array_equal(np.asarray(offsets), [q_offset, kv_offset])
+  q_ids = jnp.arange(t, dtype=jnp.int32)[:, None]
+  kv_ids = jnp.arange(s, dtype=jnp.int32)[None, :]
+  want = np.asarray(mask.visibility())[:, 0]
+  for b in range(batch):
+    def row(x):
+      return None if x is None else x[b]
+    q_seg = row(mask.q_segment_ids)
+    kv_seg = row(mask.kv_segment_ids)
+    got = spec.tile_visibility(
+        q_ids, kv_ids, row(mask.q_lengths), row(mask.kv_lengths),
+        None if q_seg is None else q_seg[:, None],
+        None if kv_seg is None else kv_seg[None, :],
+        offsets[0], offsets[1])
+    np.testing.assert_array_equal(np.asarray(got), want[b])
+  with pytest.raises(ValueError, match="has_offsets"):
+    spec.tile_visibility(q_ids, kv_ids, None, None, None, None)
+
+
+def test_offsets_reach_the_kernels_only_with_offsets():
+  """A mask without offsets gives the kernels no offsets input (their
+  modules stay as before); one with offsets (either given, the other 0)
+  gives ``[q_offset, kv_offset]``."""
+  plain = masks.AttentionMask(batch=1, q_len=8, kv_len=8, is_causal=True)
+  pads = mosaic_gpu._Padded(128, 128, 128, 128, 64)
+  assert mosaic_gpu._mask_inputs(plain, pads)["offsets"] is None
+  assert not MaskSpec.of(plain).has_offsets
+  only_kv = dataclasses.replace(plain, kv_offset=jnp.asarray(5, jnp.int32))
+  np.testing.assert_array_equal(
+      np.asarray(mosaic_gpu._mask_inputs(only_kv, pads)["offsets"]), [0, 5])
+
+
+@pytest.mark.parametrize("q_offset,kv_offset", [(260, 0), (0, 200),
+                                                (100, 37)])
+def test_offset_schedules_cover_every_visible_pair(q_offset, kv_offset):
+  """With offsets, the forward's and the dK/dV pass's schedules (built by
+  jflash.masks from the traced offsets) visit every tile holding a visible
+  pair and call FULL only tiles whose pairs are all visible."""
+  rng = _rng()
+  batch, t, s = 2, 300, 333
+  mask = _offset_mask(rng, batch, t, s, q_offset=q_offset,
+                      kv_offset=kv_offset, is_causal=True, window=(150, 0),
+                      lengths=True, segments=True)
+  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+                          logits=LogitTransform(0.1, None),
+                          config=MosaicGpuConfig().resolved(128), head_dim=128)
+  c = plan.config
+  pads = mosaic_gpu._padding(mask, plan)
+  visible = np.asarray(mask.visibility())[:, 0]
+  # Rows: the forward, per CTA of 2 * block_q queries.
+  order, count, classes, _ = map(np.asarray, jax.jit(
+      schedule.rows_metadata, static_argnums=(1, 2, 3))(
+          mask, c.block_q, c.block_kv, pads))
+  bq, bk = c.block_q, c.block_kv
+  for b in range(batch):
+    for i in range(order.shape[1]):
+      visited = order[b, i, :count[b, i]].tolist()
+      for w in range(2):
+        rows = visible[b, (2 * i + w) * bq:(2 * i + w + 1) * bq]
+        for j in range(-(-s // bk)):
+          tile = rows[:, j * bk:(j + 1) * bk]
+          assert j in visited or not tile.any(), (b, i, j)
+          if j in visited:
+            step_class = classes[b, i, visited.index(j), w]
+            assert step_class != masks.FULL or (
+                tile.shape == (bq, bk) and tile.all()), (b, i, j)
+  # Keys: the dK/dV pass, per CTA of 2 * block_kv keys.
+  bq, bk = c.block_q_dkv, c.block_kv_dkv
+  order, count, classes, _ = map(np.asarray, jax.jit(
+      schedule.keys_metadata, static_argnums=(1, 2, 3))(mask, bq, bk, pads))
+  for b in range(batch):
+    for j in range(order.shape[1]):
+      visited = order[b, j, :count[b, j]].tolist()
+      for w in range(2):
+        keys = visible[b, :, (2 * j + w) * bk:(2 * j + w + 1) * bk]
+        for i in range(-(-t // bq)):
+          tile = keys[i * bq:(i + 1) * bq]
+          assert i in visited or not tile.any(), (b, j, i)
+          if i in visited:
+            step_class = classes[b, j, visited.index(i), w]
+            assert step_class != masks.FULL or (
+                tile.shape == (bq, bk) and tile.all()), (b, j, i)
+
+
+def _offset_block_run(mask_rules: dict, backend, *, soft_cap=None):
+  """``run(q, k, v, q_offset, kv_offset)``: the block forward, the block
+  backward on its result, and ``jax.grad`` through the backend's
+  ``__call__``, for one block whose offsets are traced arguments."""
+  from jflash.backends.base import AttentionCall
+
+  def run(q, k, v, q_offset, kv_offset):
+    batch, t, s = q.shape[0], q.shape[1], k.shape[1]
+    mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=s,
+                               q_offset=q_offset, kv_offset=kv_offset,
+                               **mask_rules)
+
+    def call(q, k, v):
+      return AttentionCall(q, k, v, None, mask, 0.125, soft_cap,
+                           returns_residual=True)
+    out, lse = backend.forward(call(q, k, v))
+    d_out = out.astype(q.dtype)
+    grads = backend.backward(call(q, k, v), d_out, lse, d_out,
+                             jnp.zeros_like(lse))
+
+    def loss(q, k, v):
+      o, l = backend(call(q, k, v))
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(
+          jnp.where(jnp.isneginf(l), 0.0, l))
+    return out, lse, grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  return run
+
+
+@pytest.mark.parametrize("head_dim,rules,x64,config", [
+    (64, dict(is_causal=True), False, {}),
+    (64, dict(window=(100, 30)), True, {}),
+    (128, dict(is_causal=True, window=(700, 0), segments=True), False, {}),
+    (256, dict(lengths=True, is_causal=True), True, {}),
+    (128, dict(is_causal=True, lengths=True), True, dict(fuse_dq=True)),
+    (64, dict(segments=True, soft_cap=2.0), False, dict(fuse_dq=True)),
+])
+def test_offset_calls_lower_to_mosaic_gpu(head_dim, rules, x64, config):
+  """Block forward, block backward and the differentiable call of a mask
+  with traced offsets (GQA, each mask feature, the two-pass and the fused
+  backward) trace and lower for CUDA on the CPU, under ``jax_enable_x64``
+  too, every kernel receiving the offsets."""
+  rng = _rng()
+  batch, t, s, n, k = 2, 200, 330, 4, 2
+  mask_rules = dict(is_causal=rules.get("is_causal", False),
+                    window=rules.get("window"))
+  if rules.get("lengths"):
+    mask_rules.update(q_lengths=jnp.asarray([700, 10], jnp.int32),
+                      kv_lengths=jnp.asarray([450, 900], jnp.int32))
+  if rules.get("segments"):
+    mask_rules.update(
+        q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
+        kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
+  backend = mosaic_gpu.MosaicGpuBackend(MosaicGpuConfig(**config))
+  run = _offset_block_run(mask_rules, backend, soft_cap=rules.get("soft_cap"))
+  q = jax.ShapeDtypeStruct((batch, t, n, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((batch, s, k, head_dim), jnp.bfloat16)
+  offset = jax.ShapeDtypeStruct((), jnp.int32)
+  with jax.enable_x64(x64), mosaic_gpu.lowering_for_hopper():
+    text = jax.jit(run).trace(q, kv, kv, offset, offset).lower(
+        lowering_platforms=("cuda",)).as_text()
+  # Per use (block forward and backward, call forward and backward): the
+  # forward, then dQ and dK/dV or the one fused backward.
+  per_backward = 1 if config.get("fuse_dq") else 2
+  assert text.count("custom_call @mosaic_gpu") == 2 * (1 + per_backward)
+
+
+def test_offset_masks_keep_the_default_order_where_cudnn_declines():
+  """A causal block with offsets is its own kind in the measured table:
+  the H100 entry that puts cuDNN first for causal training at this size
+  does not apply, the default order stands, and its cuDNN declines the
+  call so that mosaic_gpu comes next."""
+  from jflash.backends import cudnn, gpu_table
+  from jflash.backends.base import AttentionCall
+  q = jnp.zeros((1, 16384, 2, 128), jnp.bfloat16)
+  mask = masks.AttentionMask(batch=1, q_len=16384, kv_len=16384,
+                             is_causal=True)
+  plain = AttentionCall(q, q, q, None, mask, 0.1, None)
+  entry = gpu_table.lookup("H100", plain)
+  assert entry is not None and entry.training == "cudnn"
+  block = dataclasses.replace(plain, mask=dataclasses.replace(
+      mask, q_offset=jnp.asarray(16384, jnp.int32),
+      kv_offset=jnp.asarray(0, jnp.int32)))
+  assert gpu_table.mask_kind(block) == "offsets"
+  assert gpu_table.lookup("H100", block) is None
+  order = jflash.backends.default_order("cuda")
+  assert order.index("cudnn") < order.index("mosaic_gpu")
+  with pytest.raises(NotImplementedError, match="offsets"):
+    cudnn.CudnnBackend()(dataclasses.replace(block, platform="cuda"))

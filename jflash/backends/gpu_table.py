@@ -29,7 +29,8 @@ class Entry:
     gpu: GPU model, e.g. ``"H100"`` (see :func:`gpu_model`).
     head_dim: 64, 128 or 256.
     seq_len: the key length measured (query length equal).
-    mask: ``"none"``, ``"causal"``, ``"window"`` or ``"other"``.
+    mask: ``"none"``, ``"causal"``, ``"window"`` or ``"other"`` (see
+      :func:`mask_kind`; ``"offsets"`` has no entries).
     gqa: fewer key/value heads than query heads.
     dtype: ``"bfloat16"`` or ``"float16"``.
     inference: backend faster for the forward pass alone.
@@ -148,9 +149,17 @@ def local_gpu_model() -> str | None:
 
 
 def mask_kind(call: AttentionCall) -> str:
-  """``"none"``, ``"causal"``, ``"window"`` or ``"other"`` (lengths,
-  segment ids, a dense mask, a bias or a soft cap)."""
+  """``"none"``, ``"causal"``, ``"window"``, ``"other"`` (lengths,
+  segment ids, a dense mask, a bias or a soft cap) or ``"offsets"``.
+
+  ``"offsets"``: a mask with query/key offsets, one block of a
+  context-parallel call, whatever else it holds.  cuDNN declines offsets,
+  so no cell is measured for them and no entry's choice of cuDNN applies:
+  the default order stands, in which ``mosaic_gpu`` serves them.
+  """
   mask = call.mask
+  if mask.has_offsets:
+    return "offsets"
   if (mask.q_lengths is not None or mask.kv_lengths is not None
       or mask.q_segment_ids is not None or mask.dense is not None
       or call.bias is not None or call.logits_soft_cap is not None):

@@ -1,9 +1,10 @@
 """``mosaic_gpu``: FlashAttention kernels for Hopper GPUs in Pallas Mosaic GPU.
 
 Serves bfloat16/float16 calls on compute capability 9.x with every
-visibility rule (causal, windows, lengths, segment ids), GQA/MQA, soft cap
-and any sequence lengths; head dims up to 256 run at 64, 128 or 256 (zero
-padded).  It declines (``NotImplementedError``) float32 inputs, a dense
+visibility rule (causal, windows, lengths, segment ids, and query/key
+offsets, so that context parallelism runs its blocks here), GQA/MQA, soft
+cap and any sequence lengths; head dims up to 256 run at 64, 128 or 256
+(zero padded).  It declines (``NotImplementedError``) float32 inputs, a dense
 ``bias`` or ``mask``, and interpret mode; the next backend serves those.
 
 The forward saves the float32 logsumexp; the backward recomputes
@@ -133,8 +134,6 @@ class MosaicGpuBackend:
     if call.mask.dense is not None:
       _decline("a dense boolean mask is not supported (use segment_ids, "
                "lengths or windows; the xla backend serves dense masks)")
-    if call.mask.has_offsets:
-      _decline("sequence offsets (context parallelism) are not supported yet")
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
     return _attention(call.query, call.key, call.value, call.mask,
@@ -224,6 +223,9 @@ _ROW_GROUP = 8
 
 
 def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
+  """The kernels' per-call visibility inputs: lengths, padded segment ids
+  and, only for a mask with offsets, ``offsets`` (int32 ``[2]``, the
+  global positions of local query 0 and key 0), each None when absent."""
   segments = {}
   if mask.q_segment_ids is not None:
     segments = dict(
@@ -231,7 +233,19 @@ def _mask_inputs(mask: masks.AttentionMask, pads: _Padded) -> dict:
         kv_segments=pad_axis(mask.kv_segment_ids, 1, pads.kv_pad))
   return dict(q_lengths=mask.q_lengths, kv_lengths=mask.kv_lengths,
               q_segments=segments.get("q_segments"),
-              kv_segments=segments.get("kv_segments"))
+              kv_segments=segments.get("kv_segments"),
+              offsets=_offsets(mask))
+
+
+def _offsets(mask: masks.AttentionMask) -> Array | None:
+  """int32 ``[q_offset, kv_offset]`` (an absent one is 0) when the mask has
+  offsets, else None."""
+  if not mask.has_offsets:
+    return None
+  def scalar(x):
+    return jnp.zeros((), jnp.int32) if x is None else jnp.asarray(
+        x, jnp.int32).reshape(())
+  return jnp.stack([scalar(mask.q_offset), scalar(mask.kv_offset)])
 
 
 def _fused_slots(config, pads: _Padded) -> int:

@@ -247,6 +247,7 @@ class _DkvKernel:
         count, steps, head_and_tile = item_schedule(kv_head, b, kv_block)
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+        q_offset, kv_offset = common.offsets_of(named.get("offsets"))
         kv_base = kv_block * keys_per_cta + buffer * block_kv
         rows = pl.ds(kv_base, block_kv)
         loads_keys = want_dv  # the dV warpgroup, or each one unsplit
@@ -285,7 +286,8 @@ class _DkvKernel:
             return spec.mask_tile(s, row_start=kv_base + zero, col_tile=q_tile,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
-                                  q_seg=q_seg, kv_seg=kv_seg)
+                                  q_seg=q_seg, kv_seg=kv_seg,
+                                  q_offset=q_offset, kv_offset=kv_offset)
 
           dk, dv = self.step_products(
               smem, slot, want_dk=want_dk, want_dv=want_dv, k_smem=k_smem,
@@ -360,7 +362,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                     split_outputs: bool = False,
                     overlap_sdp: bool = False,
                     q_pad: int | None = None,
-                    kv_pad: int | None = None) -> tuple[Array, Array]:
+                    kv_pad: int | None = None,
+                    offsets: Array | None = None) -> tuple[Array, Array]:
   """dK and dV on padded inputs.
 
   Args:
@@ -382,6 +385,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
       tiles), when the arrays are shorter: their tail tiles are then read
       through TMA's zero fill and written only within the arrays.  Default:
       the arrays' lengths.
+    offsets: int32 ``[2]`` with ``spec.has_offsets``, as for
+      :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`.
 
   Returns:
     ``(dk, dv)``, each shaped as ``k``, in the input dtype.
@@ -395,7 +400,8 @@ def dkv_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   key_buffers = 1 if split_outputs else 2
   keys_per_cta = key_buffers * block_kv
   names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            q_segments=q_segments, kv_segments=kv_segments)
+                            q_segments=q_segments, kv_segments=kv_segments,
+                            offsets=offsets)
 
   num_kv_blocks = kv_pad // keys_per_cta
   items = common.PersistentItems.over(num_kv_heads, batch, num_kv_blocks)

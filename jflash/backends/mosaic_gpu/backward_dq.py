@@ -156,6 +156,7 @@ class _DqKernel:
         count, tile_at = common.schedule_row(order_ref, count_ref, b, q_block)
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+        q_offset, kv_offset = common.offsets_of(named.get("offsets"))
         q_base = (q_block * 2 + wg) * block_q
         rows = pl.ds(q_base, block_q)
         if not separate_output:
@@ -226,7 +227,8 @@ class _DqKernel:
                                   col_tile=kv_tile,
                                   col_block=block_kv, rows_are_queries=True,
                                   q_length=q_length, kv_length=kv_length,
-                                  q_seg=q_seg, kv_seg=kv_seg)
+                                  q_seg=q_seg, kv_seg=kv_seg,
+                                  q_offset=q_offset, kv_offset=kv_offset)
 
           p, derivative, dp = self.scores(
               smem, slot, q_smem=q_smem, do_smem=do_smem, full=full,
@@ -287,7 +289,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
                    block_kv: int, stages: int,
                    overlap_sdp: bool = False,
                    q_pad: int | None = None,
-                   kv_pad: int | None = None) -> Array:
+                   kv_pad: int | None = None,
+                   offsets: Array | None = None) -> Array:
   """dQ on padded inputs (layouts as in
   :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`).
 
@@ -316,7 +319,8 @@ def dq_kernel_call(q: Array, k: Array, v: Array, do: Array, stats: Array, *,
   group = num_heads // k.shape[2]
   dtype = q.dtype
   names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            q_segments=q_segments, kv_segments=kv_segments)
+                            q_segments=q_segments, kv_segments=kv_segments,
+                            offsets=offsets)
 
   num_q_blocks = q_pad // (2 * block_q)
   # With one K/V buffer (head dim 256), V is loaded and used first: its next

@@ -246,6 +246,7 @@ class _FusedKernel:
     steps = count * group
     q_length = common.scalar_or_none(named.get("q_lengths"), b)
     kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+    q_offset, kv_offset = common.offsets_of(named.get("offsets"))
     q_seg_ref, kv_seg_ref = named.get("q_segments"), named.get("kv_segments")
     # This key block's accumulator, as a row of the flattened [slots * B].
     acc_row = lax.rem(kv_block, common.i32(slots)) * batch + b
@@ -297,7 +298,8 @@ class _FusedKernel:
             return spec.mask_tile(s, row_start=kv_base + zero, col_tile=q_tile,
                                   col_block=block_q, rows_are_queries=False,
                                   q_length=q_length, kv_length=kv_length,
-                                  q_seg=q_seg, kv_seg=kv_seg)
+                                  q_seg=q_seg, kv_seg=kv_seg,
+                                  q_offset=q_offset, kv_offset=kv_offset)
           def wait_ds_slot():
             # The dS slot is free once the dQ product of step i - 2 read it.
             @pl.when(i >= 2)
@@ -378,7 +380,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
                         slots: int = 1,
                         overlap_sdp: bool = False,
                         q_pad: int | None = None,
-                        kv_pad: int | None = None
+                        kv_pad: int | None = None,
+                        offsets: Array | None = None
                         ) -> tuple[Array, Array, Array]:
   """dQ (unscaled, float32), dK and dV on padded inputs.
 
@@ -399,6 +402,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
       tiles), when the arrays are shorter: their tail tiles are then read
       through TMA's zero fill and written only within the arrays.  Default:
       the arrays' lengths.
+    offsets: int32 ``[2]`` with ``spec.has_offsets``, as for
+      :func:`~jflash.backends.mosaic_gpu.forward.forward_kernel_call`.
 
   Returns:
     ``dq_sums [slots * B, Tp, N, Hp]`` float32, accumulator ``r`` of batch
@@ -420,7 +425,8 @@ def fused_backward_call(q: Array, k: Array, v: Array, do: Array,
   num_q_tiles = q_pad // block_q
   dtype = q.dtype
   names, extras = optional_inputs(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                            q_segments=q_segments, kv_segments=kv_segments)
+                            q_segments=q_segments, kv_segments=kv_segments,
+                            offsets=offsets)
   # One dQ staging buffer per consumer where they fit (step i's
   # contribution comes from consumer i % 2), else one for both.
   stagings = 2 if _fused_smem_bytes(

@@ -128,6 +128,9 @@ class MaskSpec:
     has_q_lengths, has_kv_lengths, has_segments: whether the kernel gets
       ``q_lengths [B]``, ``kv_lengths [B]`` and segment ids ``[B, T]`` /
       ``[B, S]`` (padded) as inputs.
+    has_offsets: whether the kernel gets ``offsets``, int32 ``[2]``: the
+      global positions of local query 0 and key 0 (the mask describes one
+      block of longer sequences; see :func:`offsets_of`).
   """
 
   q_len: int
@@ -137,6 +140,7 @@ class MaskSpec:
   has_q_lengths: bool
   has_kv_lengths: bool
   has_segments: bool
+  has_offsets: bool = False
 
   @classmethod
   def of(cls, mask: masks.AttentionMask) -> "MaskSpec":
@@ -144,30 +148,51 @@ class MaskSpec:
                is_causal=mask.is_causal, window=mask.window,
                has_q_lengths=mask.q_lengths is not None,
                has_kv_lengths=mask.kv_lengths is not None,
-               has_segments=mask.q_segment_ids is not None)
+               has_segments=mask.q_segment_ids is not None,
+               has_offsets=mask.has_offsets)
+
+  def rules(self) -> masks.AttentionMask:
+    """The static rules as a :class:`jflash.masks.AttentionMask` (with
+    offsets, its window keeps the sides that global positions need)."""
+    return masks.AttentionMask(batch=1, q_len=self.q_len,
+                               kv_len=self.kv_len, is_causal=self.is_causal,
+                               window=self.window,
+                               has_offsets=self.has_offsets)
 
   def tile_visibility(self, q_ids: Array, kv_ids: Array, q_length, kv_length,
-                      q_seg: Array | None, kv_seg: Array | None) -> Array:
+                      q_seg: Array | None, kv_seg: Array | None,
+                      q_offset: Array | None = None,
+                      kv_offset: Array | None = None) -> Array:
     """Visibility of one tile from position arrays already in the kernel's
     register layout (``q_ids``/``kv_ids`` of the tile's full 2-D shape,
     ``q_seg``/``kv_seg`` broadcast likewise), by
-    :func:`jflash.masks.visibility_at`."""
-    rules = masks.AttentionMask(batch=1, q_len=self.q_len,
-                                kv_len=self.kv_len, is_causal=self.is_causal,
-                                window=self.window)
-    return masks.visibility_at(rules, q_ids, kv_ids, q_length=q_length,
-                               kv_length=kv_length, q_segment_ids=q_seg,
-                               kv_segment_ids=kv_seg)
+    :func:`jflash.masks.visibility_at`.  ``q_offset``/``kv_offset`` are
+    the call's offsets (:func:`offsets_of`), given exactly when
+    ``has_offsets``."""
+    if self.has_offsets != (q_offset is not None and kv_offset is not None):
+      raise ValueError(
+          f"MaskSpec.tile_visibility: has_offsets is {self.has_offsets}, "
+          f"expected both q_offset and kv_offset exactly then; got "
+          f"q_offset {'set' if q_offset is not None else 'None'} and "
+          f"kv_offset {'set' if kv_offset is not None else 'None'}")
+    return masks.visibility_at(self.rules(), q_ids, kv_ids,
+                               q_length=q_length, kv_length=kv_length,
+                               q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                               q_offset=q_offset, kv_offset=kv_offset)
 
 
   def mask_tile(self, s: Array, *, row_start, col_tile, col_block: int,
                 rows_are_queries: bool, q_length, kv_length,
-                q_seg: Array | None, kv_seg: Array | None) -> Array:
+                q_seg: Array | None, kv_seg: Array | None,
+                q_offset: Array | None = None,
+                kv_offset: Array | None = None) -> Array:
     """``s`` (a WGMMA-layout tile) with invisible entries set to ``-inf``.
 
     Row ``r`` of the tile is position ``row_start + r`` and column ``c`` is
     position ``col_tile * col_block + c``; rows are queries and columns keys
-    (``rows_are_queries``), or the transpose (the dK/dV pass)."""
+    (``rows_are_queries``), or the transpose (the dK/dV pass).  Positions
+    are local; ``q_offset``/``kv_offset`` (with ``has_offsets``) place
+    them in the global sequences."""
     shape = s.shape
     rows = plgpu.broadcasted_iota(
         jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row_start
@@ -176,7 +201,7 @@ class MaskSpec:
             col_tile * col_block)
     q_ids, kv_ids = (rows, cols) if rows_are_queries else (cols, rows)
     visible = self.tile_visibility(q_ids, kv_ids, q_length, kv_length, q_seg,
-                                   kv_seg)
+                                   kv_seg, q_offset, kv_offset)
     return jnp.where(visible, s, -jnp.inf)
 
 
@@ -271,6 +296,15 @@ def i32(x):
 
 def scalar_or_none(ref, index) -> Array | None:
   return None if ref is None else ref[index]
+
+
+def offsets_of(offsets_ref) -> tuple[Array | None, Array | None]:
+  """``(q_offset, kv_offset)`` read from a kernel's optional ``offsets``
+  input (int32 ``[2]`` in GMEM: the global positions of local query 0 and
+  key 0, the same for every batch row), or ``(None, None)`` without it."""
+  if offsets_ref is None:
+    return None, None
+  return offsets_ref[i32(0)], offsets_ref[i32(1)]
 
 
 def num_sms() -> int:

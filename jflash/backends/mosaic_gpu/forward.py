@@ -86,6 +86,8 @@ class _ItemSteps:
   q_base: Array  # this consumer's first query row
   q_length: Array | None
   kv_length: Array | None
+  q_offset: Array | None  # the call's offsets, with spec.has_offsets
+  kv_offset: Array | None
   q_seg: Array | None  # query segment ids broadcast over the tile
   qo_smem: Any  # this consumer's Q buffer
   tile: tuple[int, int]  # (block_q, block_kv)
@@ -141,7 +143,8 @@ class _ItemSteps:
     return self.spec.mask_tile(
         s, row_start=self.q_base, col_tile=kv_tile, col_block=self.block_kv,
         rows_are_queries=True, q_length=self.q_length,
-        kv_length=self.kv_length, q_seg=self.q_seg, kv_seg=kv_seg)
+        kv_length=self.kv_length, q_seg=self.q_seg, kv_seg=kv_seg,
+        q_offset=self.q_offset, kv_offset=self.kv_offset)
 
   def step_info(self, i):
     """Step ``i``'s tile class and key tile, read a step early so
@@ -426,6 +429,7 @@ class _ForwardKernel:
 
         q_length = common.scalar_or_none(named.get("q_lengths"), b)
         kv_length = common.scalar_or_none(named.get("kv_lengths"), b)
+        q_offset, kv_offset = common.offsets_of(named.get("offsets"))
         qo_smem = smem.q.at[wg]
         # Without an output buffer the output leaves through Q's.
         o_smem = (smem.q if smem.out is None else smem.out).at[wg]
@@ -462,7 +466,8 @@ class _ForwardKernel:
             smem=smem, spec=spec, logits=logits, order_ref=order_ref,
             class_ref=class_ref, wg=wg, b=b, q_block=q_block, count=count,
             first_step=first_step, q_base=q_base, q_length=q_length,
-            kv_length=kv_length, q_seg=q_seg, qo_smem=qo_smem, tile=tile,
+            kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            q_seg=q_seg, qo_smem=qo_smem, tile=tile,
             block_kv=block_kv, stages=stages, head_dim=head_dim, dtype=dtype,
             segments_ride_k=kv_seg_ref is not None)
 
@@ -523,7 +528,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
                         block_kv: int, stages: int,
                         qk_after_pv: bool = False,
                         q_pad: int | None = None,
-                        kv_pad: int | None = None) -> tuple[Array, Array]:
+                        kv_pad: int | None = None,
+                        offsets: Array | None = None) -> tuple[Array, Array]:
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -542,6 +548,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
       ``kv_count``).
     q_lengths, kv_lengths: int32 ``[B]`` or None.
     q_segments, kv_segments: int32 ``[B, Tp]`` / ``[B, Sp]`` or None.
+    offsets: int32 ``[2]``, the global positions of local query 0 and key
+      0, exactly when ``spec.has_offsets``; else None.
     qk_after_pv: issue each step's next ``Q K^T``
       right behind its ``P V`` within the turn and wait for both together,
       instead of after ``P V`` has finished.
@@ -563,7 +571,8 @@ def forward_kernel_call(q: Array, k: Array, v: Array, *, kv_order: Array,
   num_q_blocks = q_pad // (2 * block_q)
 
   optional = dict(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                  q_segments=q_segments, kv_segments=kv_segments)
+                  q_segments=q_segments, kv_segments=kv_segments,
+                  offsets=offsets)
   optional_names = [n for n, x in optional.items() if x is not None]
 
   items = common.PersistentItems.over(num_heads, batch, num_q_blocks)
