@@ -187,6 +187,12 @@ def _dense_ranks(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
   query and key ids: int32, equal exactly where the inputs are equal (and
   in the same order)."""
   q_len = q_ids.shape[1]
+  # Ranking sorts along the sequence: explicitly sharded ids are gathered
+  # along it (they are a small [B, T + S] int array) and their ranks
+  # resharded as the ids came.
+  shardings = [_whole_rows(x) for x in (q_ids, kv_ids)]
+  q_ids, kv_ids = (x if spec is None else jax.sharding.reshard(x, spec[1])
+                   for x, spec in zip((q_ids, kv_ids), shardings))
   ids = jnp.concatenate([q_ids, kv_ids], axis=1)
   position = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
   ordered, perm = lax.sort((ids, position), dimension=1, num_keys=1)
@@ -194,7 +200,18 @@ def _dense_ranks(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
   rank = jnp.concatenate([jnp.zeros_like(steps[:, :1]),
                           jnp.cumsum(steps, axis=1)], axis=1)
   _, rank = lax.sort((perm, rank), dimension=1, num_keys=1)
-  return rank[:, :q_len], rank[:, q_len:]
+  ranks = (rank[:, :q_len], rank[:, q_len:])
+  return tuple(x if spec is None else jax.sharding.reshard(x, spec[0])
+               for x, spec in zip(ranks, shardings))
+
+
+def _whole_rows(ids: Array) -> tuple[Any, Any] | None:
+  """``(sharding spec, the spec with whole rows)`` of ids explicitly
+  sharded along the sequence axis, else None."""
+  spec = getattr(getattr(jax.typeof(ids), "sharding", None), "spec", None)
+  if spec is None or len(spec) < 2 or spec[1] is None:
+    return None
+  return spec, jax.P(spec[0], None)
 
 
 def _host_ranks(q_ids: np.ndarray,

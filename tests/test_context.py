@@ -430,3 +430,27 @@ def test_export_for_tpu_runs_the_tpu_kernels_per_block():
     text = jax.export.export(fn, platforms=[platform])(x, x, x).mlir_module()
     assert ("tpu_custom_call" in text) == kernels
     assert "collective_permute" in text
+
+
+def test_x64_wide_ids_lengths_and_unbounded_window():
+  # 64-bit segment ids (renumbered across the whole sharded sequence),
+  # 64-bit lengths and a window wider than any sequence, under x64.
+  rng = fresh_rng()
+  mesh = _mesh((4,), ("c",), AxisType.Explicit)
+  with jax.enable_x64(True):
+    q, k, v = random_qkv(rng, b=2, t=64, s=64, n=4, k=2, h=16)
+    ids = jnp.asarray(random_segments(rng, 2, 64, 4).astype(np.int64)
+                      * 2**33)
+    lengths = jnp.asarray(rng.integers(1, 65, 2), jnp.int64)
+    kwargs = {"is_causal": True, "local_window_size": (2**40, 0),
+              "key_value_seq_lengths": lengths}
+    sharding = NamedSharding(mesh, P(None, "c"))
+    for strategy in ("ring", "all_gather"):
+      cp = jflash.ContextParallel(strategy=strategy)
+      with jax.set_mesh(mesh):
+        out = jax.jit(lambda q, k, v, ids, cp=cp: jflash.dot_product_attention(
+            q, k, v, segment_ids=ids, context_parallel=cp, **kwargs))(
+                *(jax.device_put(x, sharding) for x in (q, k, v, ids)))
+      want = jflash.dot_product_attention(
+          q, k, v, segment_ids=ids, implementation="xla", **kwargs)
+      assert rel_err(out, want) < 1e-5
