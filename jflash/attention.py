@@ -510,17 +510,7 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
 
     out, lse = sharding.run_sequence_sharded(call, run_local)
     return out, lse, names[0]
-  if dispatch.needs_jax_derivatives(call):
-    return dispatch.run_differentiable(call, backends)
-  if backends is not None:
-    return dispatch.run(call, backends)
-  if platform is not None:
-    inference, training = dispatch.default_orders(call, platform)
-    return dispatch.run(call, training if for_training else inference)
-  orders = {p: dispatch.default_orders(call, p) for p in dispatch.PLATFORMS}
-  out, lse, names = dispatch.run_per_platform(call, orders)
-  host = dispatch.host_platform()
-  return out, lse, names.get(host, names.get("cpu"))
+  return dispatch.serve(call, backends, platform, for_training)
 
 
 def _shards(parallel: ContextParallel | None) -> int:
@@ -546,11 +536,6 @@ def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
                  platform: str | None) -> tuple[Array, Array, str]:
   """Context parallelism over ``axis`` (``size`` shards) on a call that
   holds one shard of each sequence."""
-  if dispatch.needs_jax_derivatives(call):
-    raise NotImplementedError(
-        "jflash.dot_product_attention: a sequence-sharded (context-parallel)"
-        " call is differentiable in reverse mode only (jax.grad, jax.vjp); "
-        "forward mode and reverse over reverse need unsharded sequences")
   if call.bias is not None or call.mask.dense is not None:
     raise ValueError(
         "context_parallel: a bias or a dense boolean mask cannot follow a "
@@ -563,7 +548,9 @@ def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
     target = target if target in dispatch.PLATFORMS else "cpu"
     backends = dispatch.default_orders(call, target)[1]
   backend = context.choose_backend(call, plan, backends)
-  out, lse = context.attend(call, backend, plan)
+  out, lse = dispatch.serve_reverse_only(
+      call, lambda call: context.attend(call, backend, plan),
+      "for a context-parallel (sequence-sharded) call")
   return out, lse, backend.name
 
 

@@ -1,0 +1,310 @@
+"""Derivatives of every mode and order for a served call.
+
+The backends differentiate in one way only: each serves a call as a
+``jax.custom_vjp`` whose backward pass recomputes the probabilities from
+the saved logsumexp.  JAX cannot apply forward mode (``jax.jvp``,
+``jax.linearize``, ``jax.jacfwd``, ``jax.hessian``) to a ``custom_vjp``,
+and cannot differentiate a backward kernel.  :func:`differentiable` wraps
+the served call so that every transformation works, whatever its nesting
+and whether or not it is applied through ``jax.jit``:
+
+* The value is the served one (the backends' forward kernels).
+* Its derivative is a linear primitive of the tangents,
+  ``jflash_attention_linear``.  Evaluated (forward mode), it is the JVP of
+  the ``xla`` backend's formulation JAX differentiates
+  (:meth:`XlaBackend.differentiable`); transposed (reverse mode), it is the
+  backends' own backward pass, run on the residuals their forward pass
+  saved, so that ``jax.grad`` runs the same kernels as the ``custom_vjp``
+  alone.
+* The forward pass with its residuals, and the backward pass, are again
+  functions whose derivatives are defined here (the residuals count as
+  functions of the inputs; the backward pass's derivative is that of the
+  ``xla`` formulation's), so that derivatives of derivatives work in any
+  order: Hessian-vector products, ``jax.hessian``, ``jax.grad`` of
+  ``jax.grad``.
+
+No tracer is inspected: which derivative is taken is left to JAX's rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
+from jax.interpreters import ad, batching, mlir
+
+from jflash.backends.base import AttentionCall
+from jflash.backends.xla import XlaBackend
+
+Array = jax.Array
+Serve = Callable[[AttentionCall], tuple[Array, Array]]
+
+
+def differentiable(call: AttentionCall, serve: Serve,
+                   xla: XlaBackend | None,
+                   unavailable: str = "") -> tuple[Array, Array]:
+  """``serve(call)`` (``(out [B, T, N, H], lse [B, T, N])``) with
+  derivatives of every mode and order.
+
+  Args:
+    call: the call, whose floating arrays (query, key, value, bias) are
+      differentiated.
+    serve: the chosen backends; ``jax.vjp`` of it runs their forward and
+      backward passes.
+    xla: the backend whose formulation gives forward-mode tangents and the
+      derivatives of the backward pass; None where they are not available
+      (evaluating them raises ``NotImplementedError`` with ``unavailable``
+      as the reason).
+  """
+  leaves, tree = jax.tree.flatten(
+      (call.query, call.key, call.value, call.bias, call.mask))
+  diff = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+               for x in leaves)
+  return _Derivatives(call, tree, diff, serve, xla, unavailable).top(*leaves)
+
+
+@dataclasses.dataclass(eq=False)
+class _Derivatives:
+  """The differentiable functions of one call's leaves (query, key, value,
+  bias and the mask's arrays), each a ``jax.custom_jvp``:
+
+  * ``top``: ``(out, lse)``, served;
+  * ``forward``: ``(out, lse, *residuals)``, the served forward pass with
+    the residuals its backward pass reads;
+  * a backward function per residual layout (:meth:`backward`).
+  """
+
+  call: AttentionCall
+  tree: Any  # of (query, key, value, bias, mask)
+  diff: tuple[bool, ...]  # which leaves are differentiated
+  serve: Serve
+  xla: XlaBackend | None
+  unavailable: str
+  # The layout (pytree) of the residuals of the latest traced forward
+  # pass; read right after each call of ``forward``.
+  residual_tree: Any = None
+
+  def __post_init__(self):
+    self.top = jax.custom_jvp(self._top)
+    self.top.defjvp(self._top_jvp, symbolic_zeros=True)
+    self.forward = jax.custom_jvp(self._forward)
+    self.forward.defjvp(self._forward_jvp, symbolic_zeros=True)
+
+  # ------------------------------------------------------------ helpers
+  def rebuild(self, leaves: Sequence[Array]) -> AttentionCall:
+    q, k, v, bias, mask = jax.tree.unflatten(self.tree, leaves)
+    return dataclasses.replace(self.call, query=q, key=k, value=v,
+                               bias=bias, mask=mask)
+
+  def of_diff(self, fn: Callable[[AttentionCall], Any],
+              leaves: Sequence[Array]) -> Callable:
+    """``fn`` of the call as a function of the differentiated leaves, the
+    other leaves fixed to those of ``leaves``."""
+    def on(*diff_leaves):
+      it = iter(diff_leaves)
+      return fn(self.rebuild([next(it) if d else x
+                              for x, d in zip(leaves, self.diff)]))
+    return on
+
+  def diff_leaves(self, leaves: Sequence[Any]) -> list[Any]:
+    return [x for x, d in zip(leaves, self.diff) if d]
+
+  def formulation(self, call: AttentionCall) -> tuple[Array, Array]:
+    """The ``xla`` formulation JAX differentiates."""
+    if self.xla is None:
+      raise NotImplementedError(
+          "jflash.dot_product_attention: forward-mode derivatives (jax.jvp, "
+          "jax.linearize, jax.jacfwd, jax.hessian) and derivatives of the "
+          "backward pass (jax.grad of jax.grad, Hessian-vector products) "
+          f"are not available {self.unavailable}; reverse mode (jax.grad, "
+          "jax.vjp) is")
+    with jax.named_scope(f"jflash/{self.xla.name}"):
+      return self.xla.differentiable(call)
+
+  # ---------------------------------------------------------------- top
+  def _top(self, *leaves):
+    return tuple(self.serve(self.rebuild(leaves)))
+
+  def _top_jvp(self, primals, tangents):
+    outs = self.forward(*primals)
+    return tuple(outs[:2]), self._tangents(primals, outs, tangents)
+
+  # ------------------------------------------------------------ forward
+  def _forward(self, *leaves):
+    diff_leaves = self.diff_leaves(leaves)
+    outs, pullback = jax.vjp(self.of_diff(self.serve, leaves), *diff_leaves)
+    residuals, self.residual_tree = jax.tree.flatten(pullback)
+    return (*outs, *residuals)
+
+  def _forward_jvp(self, primals, tangents):
+    outs = self.forward(*primals)
+    # The residuals are functions of the inputs read only by the backward
+    # pass, whose derivative is taken with respect to the inputs.
+    return outs, (*self._tangents(primals, outs, tangents),
+                  *zero_from_primal(tuple(outs[2:]), symbolic_zeros=True))
+
+  def _tangents(self, primals, outs, tangents) -> tuple[Array, Array]:
+    """The tangents of ``(out, lse)`` (``outs[:2]``; ``outs[2:]`` are the
+    residuals just saved): the linear primitive of the differentiated
+    leaves' tangents."""
+    residuals = tuple(outs[2:])
+    rule = _LinearRule(
+        forward=self._linear_forward,
+        transpose=self.backward(self.residual_tree),
+        num_nonlinear=len(primals) + len(residuals),
+        out_avals=tuple(jax.typeof(x).to_tangent_aval() for x in outs[:2]))
+    linear = [_instantiate(t) for t in self.diff_leaves(tangents)]
+    return tuple(linear_p.bind(*primals, *residuals, *linear, rule=rule))
+
+  def _linear_forward(self, nonlinear, linear) -> tuple[Array, Array]:
+    """The JVP of the ``xla`` formulation at the call's leaves."""
+    leaves = nonlinear[:len(self.diff)]
+    fn = self.of_diff(self.formulation, leaves)
+    return tuple(jax.jvp(fn, tuple(self.diff_leaves(leaves)),
+                         tuple(linear))[1])
+
+  # ----------------------------------------------------------- backward
+  def backward(self, residual_tree) -> Callable:
+    """``transpose(nonlinear, cotangents)``: the cotangents of the
+    differentiated leaves from those of ``(out, lse)``, where
+    ``nonlinear`` is ``(*leaves, *residuals)``: the backends' backward
+    pass on the residuals (laid out as ``residual_tree``).  Its own
+    derivative is that of the ``xla`` formulation's backward pass."""
+    num_leaves = len(self.diff)
+
+    @jax.custom_jvp
+    def run(*args):
+      residuals, cotangents = args[num_leaves:-2], args[-2:]
+      pullback = jax.tree.unflatten(residual_tree, residuals)
+      return tuple(pullback(tuple(cotangents)))
+
+    def run_jvp(primals, tangents):
+      cts = run(*primals)
+      leaves, cotangents = primals[:num_leaves], primals[-2:]
+      d_leaves = [_instantiate(t) for t in self.diff_leaves(tangents)]
+      d_cotangents = [_instantiate(t) for t in tangents[-2:]]
+
+      def formulation_backward(diff_leaves, cotangents):
+        fn = self.of_diff(self.formulation, leaves)
+        return jax.vjp(fn, *diff_leaves)[1](tuple(cotangents))
+
+      return cts, jax.jvp(formulation_backward,
+                          (tuple(self.diff_leaves(leaves)), tuple(cotangents)),
+                          (tuple(d_leaves), tuple(d_cotangents)))[1]
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
+    return lambda nonlinear, cotangents: run(*nonlinear, *cotangents)
+
+
+def _instantiate(t) -> Array:
+  """An array for a tangent that may be a symbolic zero."""
+  if isinstance(t, SymbolicZero):
+    return jnp.zeros(t.shape, t.dtype)
+  return t
+
+
+# ------------------------------------------------- the linear primitive
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LinearRule:
+  """What ``jflash_attention_linear`` computes (hashed by identity).
+
+  Operands: ``(*nonlinear, *linear)``, the first ``num_nonlinear`` fixed.
+  ``forward(nonlinear, linear)`` evaluates the outputs (of avals
+  ``out_avals``), linear in ``linear``; ``transpose(nonlinear,
+  cotangents)`` gives the cotangents of ``linear`` from those of the
+  outputs.
+  """
+
+  forward: Callable[[tuple, tuple], tuple]
+  transpose: Callable[[tuple, tuple], tuple]
+  num_nonlinear: int
+  out_avals: tuple
+
+
+linear_p = jax.extend.core.Primitive("jflash_attention_linear")
+linear_p.multiple_results = True
+
+
+def _split(operands, rule: _LinearRule) -> tuple[tuple, tuple]:
+  return (tuple(operands[:rule.num_nonlinear]),
+          tuple(operands[rule.num_nonlinear:]))
+
+
+def _linear_impl(*operands, rule: _LinearRule):
+  return rule.forward(*_split(operands, rule))
+
+
+def _linear_abstract_eval(*avals, rule: _LinearRule):
+  del avals
+  return rule.out_avals
+
+
+def _linear_lowering(ctx, *operands, rule: _LinearRule):
+  return mlir.lower_fun(lambda *ops: rule.forward(*_split(ops, rule)),
+                        multiple_results=True)(ctx, *operands)
+
+
+def _linear_transpose(cotangents, *operands, rule: _LinearRule):
+  nonlinear, linear = _split(operands, rule)
+  assert not any(ad.is_undefined_primal(x) for x in nonlinear)
+  if all(type(ct) is ad.Zero for ct in cotangents):
+    return [None] * len(nonlinear) + [None] * len(linear)
+  cotangents = tuple(ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+                     for ct in cotangents)
+  return [None] * len(nonlinear) + list(rule.transpose(nonlinear, cotangents))
+
+
+def _linear_jvp(primals, tangents, *, rule: _LinearRule):
+  """Linear in the linear operands (the primitive again); the derivative
+  with respect to the fixed ones is that of ``forward``."""
+  outs = linear_p.bind(*primals, rule=rule)
+  nonlinear, linear = _split(primals, rule)
+  d_nonlinear, d_linear = _split(tangents, rule)
+  parts = []
+  if any(type(t) is not ad.Zero for t in d_linear):
+    parts.append(linear_p.bind(*nonlinear, *map(ad.instantiate_zeros,
+                                                 d_linear), rule=rule))
+  moved = [i for i, t in enumerate(d_nonlinear) if type(t) is not ad.Zero
+           and jnp.issubdtype(t.dtype, jnp.inexact)]
+  if moved:
+    def forward_of(*xs):
+      fixed = list(nonlinear)
+      for i, x in zip(moved, xs):
+        fixed[i] = x
+      return rule.forward(tuple(fixed), linear)
+    parts.append(jax.jvp(forward_of, tuple(nonlinear[i] for i in moved),
+                         tuple(d_nonlinear[i] for i in moved))[1])
+  if not parts:
+    return outs, [ad.Zero(a) for a in rule.out_avals]
+  return outs, [sum(ts[1:], ts[0]) for ts in zip(*parts)]
+
+
+def _linear_batch(operands, dims, *, rule: _LinearRule):
+  """vmap: the rule's functions vmapped; the linear operands (and so
+  their cotangents) batched at axis 0."""
+  # An operand not batched has dimension None.
+  size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
+  nonlinear, linear = _split(operands, rule)
+  axes = tuple(dims[:rule.num_nonlinear])
+  linear = tuple(batching.bdim_at_front(x, d, size)
+                 for x, d in zip(linear, dims[rule.num_nonlinear:]))
+  batched = _LinearRule(
+      forward=jax.vmap(rule.forward, in_axes=(axes, 0), axis_size=size),
+      transpose=jax.vmap(rule.transpose, in_axes=(axes, 0), axis_size=size),
+      num_nonlinear=rule.num_nonlinear,
+      out_avals=tuple(jax.core.ShapedArray((size, *a.shape), a.dtype)
+                      for a in rule.out_avals))
+  outs = linear_p.bind(*nonlinear, *linear, rule=batched)
+  return outs, [0] * len(outs)
+
+
+linear_p.def_impl(_linear_impl)
+linear_p.def_abstract_eval(_linear_abstract_eval)
+mlir.register_lowering(linear_p, _linear_lowering)
+ad.primitive_jvps[linear_p] = _linear_jvp
+ad.primitive_transposes[linear_p] = _linear_transpose
+batching.primitive_batchers[linear_p] = _linear_batch
