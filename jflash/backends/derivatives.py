@@ -67,15 +67,30 @@ def differentiable(call: AttentionCall, serve: Serve,
   return _Derivatives(call, tree, diff, serve, xla, unavailable).top(*leaves)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Where the backward pass's residuals lie: the pullback's pytree, and
+  for each of its leaves an index into ``(*leaves, out, lse, *saved)``.
+  Residuals that are the call's inputs or outputs are not saved again (a
+  ``jax.jit``, ``lax.scan`` or ``shard_map`` boundary would otherwise keep
+  a second copy of them)."""
+
+  tree: Any
+  indices: tuple[int, ...]
+
+  def pullback(self, pool: Sequence[Array]) -> Callable:
+    return jax.tree.unflatten(self.tree, [pool[i] for i in self.indices])
+
+
 @dataclasses.dataclass(eq=False)
 class _Derivatives:
   """The differentiable functions of one call's leaves (query, key, value,
   bias and the mask's arrays), each a ``jax.custom_jvp``:
 
   * ``top``: ``(out, lse)``, served;
-  * ``forward``: ``(out, lse, *residuals)``, the served forward pass with
-    the residuals its backward pass reads;
-  * a backward function per residual layout (:meth:`backward`).
+  * ``forward``: ``(out, lse, *saved)``, the served forward pass with the
+    residuals its backward pass reads (:class:`_Layout`);
+  * a backward pass per residual layout (:meth:`backward`).
   """
 
   call: AttentionCall
@@ -84,9 +99,9 @@ class _Derivatives:
   serve: Serve
   xla: XlaBackend | None
   unavailable: str
-  # The layout (pytree) of the residuals of the latest traced forward
-  # pass; read right after each call of ``forward``.
-  residual_tree: Any = None
+  # The residual layout of the latest traced forward pass; read right
+  # after each call of ``forward``, whose outputs it describes.
+  layout: _Layout | None = None
 
   def __post_init__(self):
     self.top = jax.custom_jvp(self._top)
@@ -135,30 +150,36 @@ class _Derivatives:
 
   # ------------------------------------------------------------ forward
   def _forward(self, *leaves):
-    diff_leaves = self.diff_leaves(leaves)
-    outs, pullback = jax.vjp(self.of_diff(self.serve, leaves), *diff_leaves)
-    residuals, self.residual_tree = jax.tree.flatten(pullback)
-    return (*outs, *residuals)
+    outs, pullback = jax.vjp(self.of_diff(self.serve, leaves),
+                             *self.diff_leaves(leaves))
+    residuals, tree = jax.tree.flatten(pullback)
+    pool, indices = [*leaves, *outs], []
+    for x in residuals:
+      index = next((i for i, y in enumerate(pool) if y is x), None)
+      if index is None:
+        index = len(pool)
+        pool.append(x)
+      indices.append(index)
+    self.layout = _Layout(tree, tuple(indices))
+    return (*outs, *pool[len(leaves) + 2:])
 
   def _forward_jvp(self, primals, tangents):
     outs = self.forward(*primals)
-    # The residuals are functions of the inputs read only by the backward
-    # pass, whose derivative is taken with respect to the inputs.
+    # The saved residuals are functions of the inputs read only by the
+    # backward pass, whose derivative is taken with respect to the inputs.
     return outs, (*self._tangents(primals, outs, tangents),
                   *zero_from_primal(tuple(outs[2:]), symbolic_zeros=True))
 
   def _tangents(self, primals, outs, tangents) -> tuple[Array, Array]:
-    """The tangents of ``(out, lse)`` (``outs[:2]``; ``outs[2:]`` are the
+    """The tangents of ``(out, lse)`` (``outs[:2]``, followed by the
     residuals just saved): the linear primitive of the differentiated
     leaves' tangents."""
-    residuals = tuple(outs[2:])
     rule = _LinearRule(
-        forward=self._linear_forward,
-        transpose=self.backward(self.residual_tree),
-        num_nonlinear=len(primals) + len(residuals),
+        forward=self._linear_forward, transpose=self.backward(self.layout),
+        num_nonlinear=len(primals) + len(outs),
         out_avals=tuple(jax.typeof(x).to_tangent_aval() for x in outs[:2]))
     linear = [_instantiate(t) for t in self.diff_leaves(tangents)]
-    return tuple(linear_p.bind(*primals, *residuals, *linear, rule=rule))
+    return tuple(linear_p.bind(*primals, *outs, *linear, rule=rule))
 
   def _linear_forward(self, nonlinear, linear) -> tuple[Array, Array]:
     """The JVP of the ``xla`` formulation at the call's leaves."""
@@ -168,19 +189,18 @@ class _Derivatives:
                          tuple(linear))[1])
 
   # ----------------------------------------------------------- backward
-  def backward(self, residual_tree) -> Callable:
+  def backward(self, layout: _Layout) -> Callable:
     """``transpose(nonlinear, cotangents)``: the cotangents of the
     differentiated leaves from those of ``(out, lse)``, where
-    ``nonlinear`` is ``(*leaves, *residuals)``: the backends' backward
-    pass on the residuals (laid out as ``residual_tree``).  Its own
-    derivative is that of the ``xla`` formulation's backward pass."""
+    ``nonlinear`` is ``(*leaves, out, lse, *saved)``: the backends'
+    backward pass on the residuals.  Its own derivative is that of the
+    ``xla`` formulation's backward pass."""
     num_leaves = len(self.diff)
 
     @jax.custom_jvp
     def run(*args):
-      residuals, cotangents = args[num_leaves:-2], args[-2:]
-      pullback = jax.tree.unflatten(residual_tree, residuals)
-      return tuple(pullback(tuple(cotangents)))
+      pool, cotangents = args[:-2], args[-2:]
+      return tuple(layout.pullback(pool)(tuple(cotangents)))
 
     def run_jvp(primals, tangents):
       cts = run(*primals)
