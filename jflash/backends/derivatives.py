@@ -23,6 +23,13 @@ and whether or not it is applied through ``jax.jit``:
   order: Hessian-vector products, ``jax.hessian``, ``jax.grad`` of
   ``jax.grad``.
 
+The served value, the forward pass and the backward pass are each one
+``jflash_attention_call`` primitive holding the traced function and its
+JVP rule.  Unlike a ``jax.custom_jvp`` it is never inlined by partial
+evaluation (which JAX does to a ``custom_jvp`` whose inputs are partly
+unknown, as when a ``lax.scan`` is linearized under an outer ``jax.jvp``):
+the kernels inside have no JVP of their own.
+
 No tracer is inspected: which derivative is taken is left to JAX's rules.
 """
 
@@ -34,7 +41,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero, zero_from_primal
 from jax.interpreters import ad, batching, mlir
 
 from jflash.backends.base import AttentionCall
@@ -62,9 +68,12 @@ def differentiable(call: AttentionCall, serve: Serve,
   """
   leaves, tree = jax.tree.flatten(
       (call.query, call.key, call.value, call.bias, call.mask))
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    # No transformation applies to concrete inputs.
+    return serve(call)
   diff = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
                for x in leaves)
-  return _Derivatives(call, tree, diff, serve, xla, unavailable).top(*leaves)
+  return _Derivatives(call, tree, diff, serve, xla, unavailable).top(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +94,16 @@ class _Layout:
 @dataclasses.dataclass(eq=False)
 class _Derivatives:
   """The differentiable functions of one call's leaves (query, key, value,
-  bias and the mask's arrays), each a ``jax.custom_jvp``:
+  bias and the mask's arrays), each a ``jflash_attention_call``:
 
-  * ``top``: ``(out, lse)``, served;
-  * ``forward``: ``(out, lse, *saved)``, the served forward pass with the
-    residuals its backward pass reads (:class:`_Layout`);
-  * a backward pass per residual layout (:meth:`backward`).
+  * :meth:`top`: ``(out, lse)``, served;
+  * :meth:`forward`: ``(out, lse, *saved)``, the served forward pass with
+    the residuals its backward pass reads (:class:`_Layout`);
+  * :meth:`backward`: the served backward pass on those residuals.
+
+  JVP rules take ``(primals, tangents, rebind)``, a tangent None where it
+  is zero, ``rebind()`` giving the primitive's own outputs; they return
+  ``(outputs, tangents)``.
   """
 
   call: AttentionCall
@@ -99,15 +112,6 @@ class _Derivatives:
   serve: Serve
   xla: XlaBackend | None
   unavailable: str
-  # The residual layout of the latest traced forward pass; read right
-  # after each call of ``forward``, whose outputs it describes.
-  layout: _Layout | None = None
-
-  def __post_init__(self):
-    self.top = jax.custom_jvp(self._top)
-    self.top.defjvp(self._top_jvp, symbolic_zeros=True)
-    self.forward = jax.custom_jvp(self._forward)
-    self.forward.defjvp(self._forward_jvp, symbolic_zeros=True)
 
   # ------------------------------------------------------------ helpers
   def rebuild(self, leaves: Sequence[Array]) -> AttentionCall:
@@ -141,44 +145,59 @@ class _Derivatives:
       return self.xla.differentiable(call)
 
   # ---------------------------------------------------------------- top
-  def _top(self, *leaves):
-    return tuple(self.serve(self.rebuild(leaves)))
+  def top(self, leaves: Sequence[Array]) -> tuple[Array, Array]:
+    return tuple(_call(lambda *l: tuple(self.serve(self.rebuild(l))),
+                       self._top_jvp, leaves))
 
-  def _top_jvp(self, primals, tangents):
-    outs = self.forward(*primals)
-    return tuple(outs[:2]), self._tangents(primals, outs, tangents)
+  def _top_jvp(self, primals, tangents, rebind):
+    del rebind  # the forward pass gives the value
+    outs, layout = self.forward(primals)
+    return outs[:2], self._tangents(layout, primals, outs, tangents)
 
   # ------------------------------------------------------------ forward
-  def _forward(self, *leaves):
-    outs, pullback = jax.vjp(self.of_diff(self.serve, leaves),
-                             *self.diff_leaves(leaves))
-    residuals, tree = jax.tree.flatten(pullback)
-    pool, indices = [*leaves, *outs], []
-    for x in residuals:
-      index = next((i for i, y in enumerate(pool) if y is x), None)
-      if index is None:
-        index = len(pool)
-        pool.append(x)
-      indices.append(index)
-    self.layout = _Layout(tree, tuple(indices))
-    return (*outs, *pool[len(leaves) + 2:])
+  def forward(self, leaves: Sequence[Array]) -> tuple[list, _Layout]:
+    """``(out, lse, *saved)`` and the layout of the residuals."""
+    layouts = []
 
-  def _forward_jvp(self, primals, tangents):
-    outs = self.forward(*primals)
-    # The saved residuals are functions of the inputs read only by the
-    # backward pass, whose derivative is taken with respect to the inputs.
-    return outs, (*self._tangents(primals, outs, tangents),
-                  *zero_from_primal(tuple(outs[2:]), symbolic_zeros=True))
+    def run(*leaves):
+      outs, pullback = jax.vjp(self.of_diff(self.serve, leaves),
+                               *self.diff_leaves(leaves))
+      residuals, tree = jax.tree.flatten(pullback)
+      pool, indices = [*leaves, *outs], []
+      for x in residuals:
+        index = next((i for i, y in enumerate(pool) if y is x), None)
+        if index is None:
+          index = len(pool)
+          pool.append(x)
+        indices.append(index)
+      layouts.append(_Layout(tree, tuple(indices)))
+      return (*outs, *pool[len(leaves) + 2:])
 
-  def _tangents(self, primals, outs, tangents) -> tuple[Array, Array]:
+    def jvp(primals, tangents, rebind):
+      outs = rebind()
+      # The saved residuals are functions of the inputs read only by the
+      # backward pass, whose derivative is taken with respect to the
+      # inputs.
+      return outs, [*self._tangents(layouts[0], primals, outs, tangents),
+                    *[None] * (len(outs) - 2)]
+
+    # ``run`` is traced (and ``layouts`` set) before ``jvp`` may be called.
+    outs = _call(run, jvp, leaves)
+    return outs, layouts[0]
+
+  def _tangents(self, layout: _Layout, primals, outs, tangents
+                ) -> tuple[Array, Array]:
     """The tangents of ``(out, lse)`` (``outs[:2]``, followed by the
-    residuals just saved): the linear primitive of the differentiated
-    leaves' tangents."""
+    residuals saved): the linear primitive of the differentiated leaves'
+    tangents."""
     rule = _LinearRule(
-        forward=self._linear_forward, transpose=self.backward(self.layout),
+        forward=self._linear_forward,
+        transpose=lambda nonlinear, cts: self.backward(layout, nonlinear, cts),
         num_nonlinear=len(primals) + len(outs),
         out_avals=tuple(jax.typeof(x).to_tangent_aval() for x in outs[:2]))
-    linear = [_instantiate(t) for t in self.diff_leaves(tangents)]
+    linear = [_zeros_for(p) if t is None else t
+              for p, t in zip(self.diff_leaves(primals),
+                              self.diff_leaves(tangents))]
     return tuple(linear_p.bind(*primals, *outs, *linear, rule=rule))
 
   def _linear_forward(self, nonlinear, linear) -> tuple[Array, Array]:
@@ -189,42 +208,111 @@ class _Derivatives:
                          tuple(linear))[1])
 
   # ----------------------------------------------------------- backward
-  def backward(self, layout: _Layout) -> Callable:
-    """``transpose(nonlinear, cotangents)``: the cotangents of the
-    differentiated leaves from those of ``(out, lse)``, where
-    ``nonlinear`` is ``(*leaves, out, lse, *saved)``: the backends'
-    backward pass on the residuals.  Its own derivative is that of the
-    ``xla`` formulation's backward pass."""
+  def backward(self, layout: _Layout, nonlinear: Sequence[Array],
+               cotangents: Sequence[Array]) -> list[Array]:
+    """The cotangents of the differentiated leaves from those of ``(out,
+    lse)``, ``nonlinear`` being ``(*leaves, out, lse, *saved)``: the
+    backends' backward pass on the residuals.  Its own derivative is that
+    of the ``xla`` formulation's backward pass."""
     num_leaves = len(self.diff)
 
-    @jax.custom_jvp
     def run(*args):
-      pool, cotangents = args[:-2], args[-2:]
-      return tuple(layout.pullback(pool)(tuple(cotangents)))
+      pool, cts = args[:-2], args[-2:]
+      return tuple(layout.pullback(pool)(tuple(cts)))
 
-    def run_jvp(primals, tangents):
-      cts = run(*primals)
-      leaves, cotangents = primals[:num_leaves], primals[-2:]
-      d_leaves = [_instantiate(t) for t in self.diff_leaves(tangents)]
-      d_cotangents = [_instantiate(t) for t in tangents[-2:]]
+    def jvp(primals, tangents, rebind):
+      leaves, cts = primals[:num_leaves], primals[-2:]
+      d_leaves = [_zeros_for(p) if t is None else t
+                  for p, t in zip(self.diff_leaves(leaves),
+                                  self.diff_leaves(tangents))]
+      d_cts = [_zeros_for(p) if t is None else t
+               for p, t in zip(cts, tangents[-2:])]
 
-      def formulation_backward(diff_leaves, cotangents):
+      def formulation_backward(diff_leaves, cts):
         fn = self.of_diff(self.formulation, leaves)
-        return jax.vjp(fn, *diff_leaves)[1](tuple(cotangents))
+        return jax.vjp(fn, *diff_leaves)[1](tuple(cts))
 
-      return cts, jax.jvp(formulation_backward,
-                          (tuple(self.diff_leaves(leaves)), tuple(cotangents)),
-                          (tuple(d_leaves), tuple(d_cotangents)))[1]
+      return rebind(), list(jax.jvp(
+          formulation_backward, (tuple(self.diff_leaves(leaves)), tuple(cts)),
+          (tuple(d_leaves), tuple(d_cts)))[1])
 
-    run.defjvp(run_jvp, symbolic_zeros=True)
-    return lambda nonlinear, cotangents: run(*nonlinear, *cotangents)
+    return _call(run, jvp, (*nonlinear, *cotangents))
 
 
-def _instantiate(t) -> Array:
-  """An array for a tangent that may be a symbolic zero."""
-  if isinstance(t, SymbolicZero):
-    return jnp.zeros(t.shape, t.dtype)
-  return t
+def _zeros_for(x: Array) -> Array:
+  return jnp.zeros(x.shape, x.dtype)
+
+
+# --------------------------------------------------- the opaque call
+@dataclasses.dataclass(frozen=True, eq=False)
+class _CallRule:
+  """The JVP rule of one ``jflash_attention_call`` (hashed by identity):
+  ``jvp(primals, tangents, rebind) -> (outputs, tangents)``, tangents None
+  where zero."""
+
+  jvp: Callable
+
+
+call_p = jax.extend.core.Primitive("jflash_attention_call")
+call_p.multiple_results = True
+
+
+def _call(fn: Callable, jvp: Callable, args: Sequence[Array]) -> list:
+  """``fn(*args)`` (a tuple of arrays) as one ``jflash_attention_call``
+  whose JVP rule is ``jvp``."""
+  body = jax.make_jaxpr(fn)(*args)
+  return call_p.bind(*args, body=body, rule=_CallRule(jvp))
+
+
+def _call_impl(*args, body, rule):
+  del rule
+  return jax.extend.core.jaxpr_as_fun(body)(*args)
+
+
+def _call_abstract_eval(*avals, body, rule):
+  del avals, rule
+  return body.out_avals, body.effects
+
+
+def _call_lowering(ctx, *args, body, rule):
+  del rule
+  return mlir.lower_fun(jax.extend.core.jaxpr_as_fun(body),
+                        multiple_results=True)(ctx, *args)
+
+
+def _call_jvp(primals, tangents, *, body, rule):
+  outs, out_tangents = rule.jvp(
+      primals, [None if type(t) is ad.Zero else t for t in tangents],
+      lambda: call_p.bind(*primals, body=body, rule=rule))
+  return outs, [ad.Zero(jax.typeof(x).to_tangent_aval()) if t is None else t
+                for x, t in zip(outs, out_tangents)]
+
+
+def _call_batch(args, dims, *, body, rule):
+  """vmap: the traced function vmapped, and its JVP rule vmapped."""
+  # An operand not batched has dimension None.
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  dims = tuple(dims)
+  batched = jax.make_jaxpr(jax.vmap(jax.extend.core.jaxpr_as_fun(body),
+                                    in_axes=dims, axis_size=size))(*args)
+
+  def jvp(primals, tangents, rebind):
+    del rebind
+    def one(primals, tangents):
+      return rule.jvp(primals, tangents, lambda: call_p.bind(
+          *primals, body=body, rule=rule))
+    return jax.vmap(one, in_axes=(dims, dims), axis_size=size)(
+        tuple(primals), tuple(tangents))
+
+  outs = call_p.bind(*args, body=batched, rule=_CallRule(jvp))
+  return outs, [0] * len(outs)
+
+
+call_p.def_impl(_call_impl)
+call_p.def_effectful_abstract_eval(_call_abstract_eval)
+mlir.register_lowering(call_p, _call_lowering)
+ad.primitive_jvps[call_p] = _call_jvp
+batching.primitive_batchers[call_p] = _call_batch
 
 
 # ------------------------------------------------- the linear primitive
