@@ -73,7 +73,10 @@ def differentiable(call: AttentionCall, serve: Serve,
     return serve(call)
   diff = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
                for x in leaves)
-  return _Derivatives(call, tree, diff, serve, xla, unavailable).top(leaves)
+  # The rules keep the call's static part only; its arrays are operands.
+  static = dataclasses.replace(call, query=None, key=None, value=None,
+                               bias=None, mask=None)
+  return _Derivatives(static, tree, diff, serve, xla, unavailable).top(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +109,7 @@ class _Derivatives:
   ``(outputs, tangents)``.
   """
 
-  call: AttentionCall
+  call: AttentionCall  # without its arrays
   tree: Any  # of (query, key, value, bias, mask)
   diff: tuple[bool, ...]  # which leaves are differentiated
   serve: Serve
@@ -193,7 +196,7 @@ class _Derivatives:
     rule = _LinearRule(
         forward=self._linear_forward,
         transpose=lambda nonlinear, cts: self.backward(layout, nonlinear, cts),
-        num_nonlinear=len(primals) + len(outs),
+        num_nonlinear=len(primals) + len(outs), num_read=len(primals),
         out_avals=tuple(jax.typeof(x).to_tangent_aval() for x in outs[:2]))
     linear = [_zeros_for(p) if t is None else t
               for p, t in zip(self.diff_leaves(primals),
@@ -322,14 +325,15 @@ class _LinearRule:
 
   Operands: ``(*nonlinear, *linear)``, the first ``num_nonlinear`` fixed.
   ``forward(nonlinear, linear)`` evaluates the outputs (of avals
-  ``out_avals``), linear in ``linear``; ``transpose(nonlinear,
-  cotangents)`` gives the cotangents of ``linear`` from those of the
-  outputs.
+  ``out_avals``), linear in ``linear`` and reading ``nonlinear[:num_read]``
+  only; ``transpose(nonlinear, cotangents)`` gives the cotangents of
+  ``linear`` from those of the outputs.
   """
 
   forward: Callable[[tuple, tuple], tuple]
   transpose: Callable[[tuple, tuple], tuple]
   num_nonlinear: int
+  num_read: int
   out_avals: tuple
 
 
@@ -376,8 +380,8 @@ def _linear_jvp(primals, tangents, *, rule: _LinearRule):
   if any(type(t) is not ad.Zero for t in d_linear):
     parts.append(linear_p.bind(*nonlinear, *map(ad.instantiate_zeros,
                                                  d_linear), rule=rule))
-  moved = [i for i, t in enumerate(d_nonlinear) if type(t) is not ad.Zero
-           and jnp.issubdtype(t.dtype, jnp.inexact)]
+  moved = [i for i, t in enumerate(d_nonlinear[:rule.num_read])
+           if type(t) is not ad.Zero and jnp.issubdtype(t.dtype, jnp.inexact)]
   if moved:
     def forward_of(*xs):
       fixed = list(nonlinear)
@@ -403,7 +407,7 @@ def _linear_batch(operands, dims, *, rule: _LinearRule):
   batched = _LinearRule(
       forward=jax.vmap(rule.forward, in_axes=(axes, 0), axis_size=size),
       transpose=jax.vmap(rule.transpose, in_axes=(axes, 0), axis_size=size),
-      num_nonlinear=rule.num_nonlinear,
+      num_nonlinear=rule.num_nonlinear, num_read=rule.num_read,
       out_avals=tuple(jax.core.ShapedArray((size, *a.shape), a.dtype)
                       for a in rule.out_avals))
   outs = linear_p.bind(*nonlinear, *linear, rule=batched)
