@@ -251,9 +251,9 @@ def serve(call: AttentionCall, backends: tuple[Backend, ...] | None,
 def serve_reverse_only(call: AttentionCall, served: derivatives.Serve,
                        what: str) -> tuple[Array, Array]:
   """``served(call)`` differentiable in reverse mode (its own backward
-  pass) and to any order of it; forward mode and derivatives of the
-  backward pass raise ``NotImplementedError`` naming ``what`` (e.g.
-  "for a context-parallel call") when evaluated."""
+  pass); forward mode and derivatives of the backward pass raise
+  ``NotImplementedError`` saying that they are not available ``what``
+  (e.g. "for a context-parallel call") when they are evaluated."""
   return derivatives.differentiable(call, served, None, what)
 
 
