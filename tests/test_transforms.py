@@ -428,6 +428,25 @@ def test_reverse_mode_is_the_backends_own_backward(implementation, features):
   want = jax.jit(jax.grad(direct, argnums))(q, k, v, bias)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  # The same kernels: as many Pallas calls (forward and backward).
+  counts = [_count_primitive(jax.make_jaxpr(jax.grad(fn, argnums))(
+      q, k, v, bias).jaxpr, "pallas_call") for fn in (through_jflash, direct)]
+  assert counts[0] == counts[1]
+  assert counts[0] > 0 or implementation == "xla"
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """Equations of primitive ``name`` in ``jaxpr`` and its sub-jaxprs."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          count += _count_primitive(sub, name)
+  return count
 
 
 def test_reverse_mode_keeps_the_custom_backward(monkeypatch):
