@@ -528,17 +528,7 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
 
     out, lse = sharding.run_sequence_sharded(call, run_local)
     return out, lse, names[0]
-  if dispatch.needs_jax_derivatives(call):
-    return dispatch.run_differentiable(call, backends)
-  if backends is not None:
-    return dispatch.run(call, backends)
-  if platform is not None:
-    inference, training = dispatch.default_orders(call, platform)
-    return dispatch.run(call, training if for_training else inference)
-  orders = {p: dispatch.default_orders(call, p) for p in dispatch.PLATFORMS}
-  out, lse, names = dispatch.run_per_platform(call, orders)
-  host = dispatch.host_platform()
-  return out, lse, names.get(host, names.get("cpu"))
+  return dispatch.serve(call, backends, platform, for_training)
 
 
 def _shards(parallel: ContextParallel | None) -> int:
@@ -565,11 +555,6 @@ def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
                  ) -> tuple[Array, Array, str]:
   """Context parallelism over ``axis`` (``size`` shards) on a call that
   holds one shard of each sequence."""
-  if dispatch.needs_jax_derivatives(call):
-    raise NotImplementedError(
-        "jflash.dot_product_attention: a sequence-sharded (context-parallel)"
-        " call is differentiable in reverse mode only (jax.grad, jax.vjp); "
-        "forward mode and reverse over reverse need unsharded sequences")
   if call.bias is not None or call.mask.dense is not None:
     raise ValueError(
         "context_parallel: a bias or a dense boolean mask cannot follow a "
@@ -582,18 +567,27 @@ def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
   def sharded(order: tuple[Backend, ...]) -> tuple[Backend, ...]:
     return tuple(context.ContextBackend(b, plan) for b in order)
 
-  if backends is not None:
-    return dispatch.run(call, sharded(backends))
-  if platform is not None:
-    inference, training = dispatch.default_orders(call, platform)
-    return dispatch.run(call, sharded(training if for_training
-                                      else inference))
-  orders = {p: tuple(sharded(order)
-                     for order in dispatch.default_orders(call, p))
-            for p in dispatch.PLATFORMS}
-  out, lse, names = dispatch.run_per_platform(call, orders)
-  host = dispatch.host_platform()
-  return out, lse, names.get(host, names.get("cpu"))
+  names = []
+
+  def served(call: AttentionCall) -> tuple[Array, Array]:
+    if backends is not None:
+      out, lse, name = dispatch.run(call, sharded(backends))
+    elif platform is not None:
+      inference, training = dispatch.default_orders(call, platform)
+      out, lse, name = dispatch.run(call, sharded(training if for_training
+                                                  else inference))
+    else:
+      orders = {p: tuple(sharded(order)
+                         for order in dispatch.default_orders(call, p))
+                for p in dispatch.PLATFORMS}
+      out, lse, chosen = dispatch.run_per_platform(call, orders)
+      name = chosen.get(dispatch.host_platform(), chosen.get("cpu"))
+    names.append(name)
+    return out, lse
+
+  out, lse = dispatch.serve_reverse_only(
+      call, served, "for a context-parallel (sequence-sharded) call")
+  return out, lse, names[0]
 
 
 def dot_product_attention(

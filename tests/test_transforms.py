@@ -1,5 +1,6 @@
 """JAX transformations, sharding, float64 gradients and tile skipping."""
 
+import dataclasses
 import functools
 
 import jax
@@ -10,7 +11,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jax.test_util import check_grads
 
 import jflash
-from jflash.backends import XlaBackend, XlaConfig
+from jflash.backends import (BACKENDS, MosaicTpuBackend, MosaicTpuConfig,
+                             XlaBackend, XlaConfig)
 from tests._support import (Case, fresh_rng, random_normal, random_qkv,
                             random_segments, rel_err)
 
@@ -184,18 +186,34 @@ def test_empty_tiles_are_never_read():
 
 
 # ------------------------------------------- forward mode and higher order
+# Pallas kernels run through the interpreter with tiles small enough that the
+# test shapes span several of them.
+TPU_TILES = MosaicTpuBackend(MosaicTpuConfig(block_q=8, block_kv=8))
+IMPLEMENTATIONS = {"default": None, "xla": "xla", "mosaic_tpu": TPU_TILES}
+
+
+def _extra(implementation: str) -> dict:
+  """The keyword arguments that select ``implementation``."""
+  extra = dict(implementation=IMPLEMENTATIONS[implementation])
+  if implementation == "mosaic_tpu":
+    extra["interpret"] = True
+  return extra
+
+
 def _featured_case(rng, features: str):
   """A small float32 case with the named visibility features, as
-  ``(q, k, v, bias, kwargs)``."""
+  ``(q, k, v, bias, kwargs)``: ``causal``; ``mask`` adds a window, segment
+  ids, key lengths and a soft cap; ``all`` adds a bias to those."""
   q, k, v = random_qkv(rng, b=2, t=10, s=13, n=4, k=2, h=8)
   bias, kwargs = None, dict(is_causal=True)
-  if features == "all":
-    bias = random_normal(rng, (1, 4, 10, 13), jnp.float32)
+  if features in ("mask", "all"):
     kwargs.update(
         local_window_size=(6, 2), logits_soft_cap=3.0,
         key_value_seq_lengths=jnp.asarray([13, 9], jnp.int32),
         segment_ids=(jnp.asarray(random_segments(rng, 2, 10, 2)),
                      jnp.asarray(random_segments(rng, 2, 13, 2))))
+  if features == "all":
+    bias = random_normal(rng, (1, 4, 10, 13), jnp.float32)
   return q, k, v, bias, kwargs
 
 
@@ -219,46 +237,88 @@ def _finite_lse(lse, ref):
   return jnp.where(jnp.isneginf(ref), 0.0, lse)
 
 
-@pytest.mark.parametrize("features", ["causal", "all"])
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_jvp_matches_the_reference(features, jit):
+def _assert_tangents_match(got, want, tol=1e-5):
+  """``((out, lse), (d_out, d_lse))`` of jflash against the reference's."""
+  (out, lse), (d_out, d_lse) = got
+  (ref_out, ref_lse), (ref_d_out, ref_d_lse) = want
+  assert rel_err(out, ref_out) < tol
+  assert rel_err(d_out, ref_d_out) < tol
+  assert rel_err(_finite_lse(d_lse, ref_lse),
+                 _finite_lse(ref_d_lse, ref_lse)) < tol
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("features", ["causal", "mask"])
+def test_forward_mode_in_every_form(implementation, features):
+  """jax.jvp eager, under jax.jit, of a jitted function; jax.linearize;
+  jax.vmap of jax.jvp: each the reference's derivative."""
   rng = _rng()
   q, k, v, bias, kwargs = _featured_case(rng, features)
-  tangents = tuple(random_normal(rng, x.shape, x.dtype) for x in (q, k, v))
-  def run(f):
-    jvp = lambda q, k, v: jax.jvp(f, (q, k, v), tangents)
-    return (jax.jit(jvp) if jit else jvp)(q, k, v)
+  primals = (q, k, v)
+  tangents = tuple(random_normal(rng, x.shape, x.dtype) for x in primals)
+  mine = _jflash_fn(bias, kwargs, **_extra(implementation))
+  ref = _reference_fn(bias, kwargs)
+  want = jax.jvp(ref, primals, tangents)
 
-  (out, lse), (d_out, d_lse) = run(_jflash_fn(bias, kwargs))
-  (ref_out, ref_lse), (ref_d_out, ref_d_lse) = run(_reference_fn(bias, kwargs))
-  assert rel_err(out, ref_out) < 1e-5
-  assert rel_err(d_out, ref_d_out) < 1e-5
-  assert rel_err(_finite_lse(d_lse, ref_lse),
-                 _finite_lse(ref_d_lse, ref_lse)) < 1e-5
+  _assert_tangents_match(jax.jvp(mine, primals, tangents), want)
+  _assert_tangents_match(jax.jit(lambda *p: jax.jvp(mine, p, tangents))(
+      *primals), want)
+  _assert_tangents_match(jax.jvp(jax.jit(mine), primals, tangents), want)
+  value, linear = jax.linearize(mine, *primals)
+  _assert_tangents_match((value, linear(*tangents)), want)
+
+  stacked = tuple(jnp.stack([t, -0.5 * t]) for t in tangents)
+  def tangent_out(*ts):
+    return jax.jvp(lambda q, k, v: mine(q, k, v)[0], primals, ts)[1]
+  batched = jax.vmap(tangent_out)(*stacked)
+  assert rel_err(batched[0], want[1][0]) < 1e-5
+  assert rel_err(batched[1], -0.5 * want[1][0]) < 1e-5
 
 
-def test_jacfwd_and_hessian_match_the_reference():
+def test_forward_mode_with_a_bias():
+  """Tangents of the bias as well as of query, key and value."""
   rng = _rng()
   q, k, v, bias, kwargs = _featured_case(rng, "all")
+  primals = (q, k, v, bias)
+  tangents = tuple(random_normal(rng, x.shape, x.dtype) for x in primals)
+
+  def mine(q, k, v, bias):
+    return _jflash_fn(bias, kwargs)(q, k, v)
+
+  def ref(q, k, v, bias):
+    return _reference_fn(bias, kwargs)(q, k, v)
+
+  _assert_tangents_match(jax.jvp(mine, primals, tangents),
+                         jax.jvp(ref, primals, tangents))
+
+
+@pytest.mark.parametrize("implementation", ["default", "mosaic_tpu"])
+def test_jacfwd_and_hessian_match_the_reference(implementation):
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, "mask")
   q, k, v = q[:, :4, :2], k[:, :6, :1], v[:, :6, :1]  # a small Jacobian
   kwargs = dict(is_causal=True, logits_soft_cap=3.0)
   weights = random_normal(rng, (2, 4, 2, 8), jnp.float32)
+  mine = _jflash_fn(None, kwargs, **_extra(implementation))
+  ref = _reference_fn(None, kwargs)
 
   def scalar(f):
     return lambda q: jnp.sum(f(q, k, v)[0] * weights)
 
-  jac = jax.jacfwd(lambda q: _jflash_fn(None, kwargs)(q, k, v)[0])(q)
-  ref_jac = jax.jacfwd(lambda q: _reference_fn(None, kwargs)(q, k, v)[0])(q)
+  jac = jax.jacfwd(lambda q: mine(q, k, v)[0])(q)
+  ref_jac = jax.jacfwd(lambda q: ref(q, k, v)[0])(q)
   assert rel_err(jac, ref_jac) < 1e-5
-  hess = jax.hessian(scalar(_jflash_fn(None, kwargs)))(q)
-  ref_hess = jax.hessian(scalar(_reference_fn(None, kwargs)))(q)
+  hess = jax.hessian(scalar(mine))(q)
+  ref_hess = jax.hessian(scalar(ref))(q)
   assert rel_err(hess, ref_hess) < 1e-4
 
 
-@pytest.mark.parametrize("features", ["causal", "all"])
-def test_second_order_matches_the_reference(features):
-  """Hessian-vector products (forward over reverse) and reverse over
-  reverse."""
+@pytest.mark.parametrize("implementation,features",
+                         [("default", "all"), ("xla", "causal"),
+                          ("mosaic_tpu", "mask")])
+def test_second_order_matches_the_reference(implementation, features):
+  """Hessian-vector products (forward over reverse, also through a jitted
+  gradient and through lax.scan) and reverse over reverse."""
   rng = _rng()
   q, k, v, bias, kwargs = _featured_case(rng, features)
   weights = random_normal(rng, q.shape, jnp.float32)
@@ -267,29 +327,126 @@ def test_second_order_matches_the_reference(features):
   def loss(f):
     return lambda q, k, v: jnp.sum(jnp.tanh(f(q, k, v)[0]) * weights)
 
-  def hvp(f):
-    return jax.jvp(jax.grad(loss(f)), (q, k, v), (tangent, 0 * k, 0 * v))[1]
+  def hvp(f, jit=False):
+    grad = jax.grad(loss(f))
+    return jax.jvp(jax.jit(grad) if jit else grad, (q, k, v),
+                   (tangent, 0 * k, 0 * v))[1]
+
+  def scan_hvp(f):
+    def scanned(q):
+      out = jax.lax.scan(lambda c, _: (f(c, k, v)[0], None), q, None,
+                         length=2)[0]
+      return jnp.sum(jnp.tanh(out) * weights)
+    return jax.jvp(jax.grad(scanned), (q,), (tangent,))[1]
 
   def grad_of_grad(f):
     inner = jax.grad(loss(f), argnums=(0, 1, 2))
     return jax.grad(lambda q, k, v: sum(
         jnp.sum(g ** 2) for g in inner(q, k, v)), argnums=(0, 1, 2))(q, k, v)
 
-  mine, ref = _jflash_fn(bias, kwargs), _reference_fn(bias, kwargs)
+  mine = _jflash_fn(bias, kwargs, **_extra(implementation))
+  ref = _reference_fn(bias, kwargs)
   assert rel_err(hvp(mine), hvp(ref)) < 1e-4
+  assert rel_err(hvp(mine, jit=True), hvp(ref)) < 1e-4
+  assert rel_err(scan_hvp(mine), scan_hvp(ref)) < 1e-4
   for got, want in zip(grad_of_grad(mine), grad_of_grad(ref)):
     assert rel_err(got, want) < 1e-4
 
 
-def test_forward_mode_without_an_xla_backend_names_jflash():
-  q, k, v = _qkv(_rng())
+def test_vmap_and_reverse_mode_around_forward_mode():
+  """jax.grad of a vmapped jax.jvp (the tangent map batched, then
+  transposed) and jax.vmap of jax.grad."""
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, "mask")
+  tangents = jnp.stack([random_normal(rng, q.shape, jnp.float32)
+                        for _ in range(2)])
+  weights = random_normal(rng, (2,) + q.shape, jnp.float32)
 
-  def f(q):
-    return jflash.dot_product_attention(q, k, v, implementation="mosaic_tpu",
-                                        interpret=True)
-  with pytest.raises(NotImplementedError,
-                     match=r"jflash.*forward-mode.*'xla'"):
-    jax.jvp(f, (q,), (q,))
+  def grad_of_vmapped_jvp(f):
+    def loss(q):
+      outs = jax.vmap(lambda t: jax.jvp(lambda q: f(q, k, v)[0], (q,),
+                                        (t,))[1])(tangents)
+      return jnp.sum(jnp.sin(outs) * weights)
+    return jax.grad(loss)(q)
+
+  def vmapped_grad(f):
+    return jax.vmap(jax.grad(lambda q: jnp.sum(jnp.sin(f(q, k, v)[0]))))(
+        jnp.stack([q, 2 * q]))
+
+  mine = _jflash_fn(bias, kwargs, **_extra("mosaic_tpu"))
+  ref = _reference_fn(bias, kwargs)
+  assert rel_err(grad_of_vmapped_jvp(mine), grad_of_vmapped_jvp(ref)) < 1e-4
+  assert rel_err(vmapped_grad(mine), vmapped_grad(ref)) < 1e-5
+
+
+def test_forward_mode_uses_an_xla_backend_of_the_list():
+  """Tangents come from the first XlaBackend of an explicit list (here
+  with its own tiles), else from the default one."""
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, "causal")
+  tangents = tuple(random_normal(rng, x.shape, x.dtype) for x in (q, k, v))
+  want = jax.jvp(_reference_fn(bias, kwargs), (q, k, v), tangents)
+  tiles = []
+
+  class Recording(XlaBackend):
+    def differentiable(self, call):
+      tiles.append(self.config.block_q)
+      return super().differentiable(call)
+
+  mine = _jflash_fn(bias, kwargs, interpret=True, implementation=[
+      TPU_TILES, Recording(XlaConfig(block_q=4, block_kv=8))])
+  _assert_tangents_match(jax.jvp(mine, (q, k, v), tangents), want)
+  assert tiles and set(tiles) == {4}
+
+
+@pytest.mark.parametrize("implementation,features",
+                         [("xla", "all"), ("mosaic_tpu", "mask")])
+def test_reverse_mode_is_the_backends_own_backward(implementation, features):
+  """jax.grad through jflash gives the very bits of the chosen backend's
+  own custom_vjp backward, called directly."""
+  rng = _rng()
+  q, k, v, bias, kwargs = _featured_case(rng, features)
+  weights = random_normal(rng, q.shape, jnp.float32)
+  extra = _extra(implementation)
+  backend = (BACKENDS["xla"] if implementation == "xla" else TPU_TILES)
+
+  def loss(out, lse):
+    return jnp.sum(jnp.sin(out) * weights) + 0.1 * jnp.sum(
+        jnp.where(jnp.isneginf(lse), 0.0, lse))
+
+  def through_jflash(q, k, v, bias):
+    return loss(*_jflash_fn(bias, kwargs, **extra)(q, k, v))
+
+  def direct(q, k, v, bias):
+    call, _ = Case(None, None, None, bias, kwargs=kwargs).canonical(
+        q, k, v, bias)
+    call = dataclasses.replace(call, interpret=True)
+    return loss(*backend(call))
+
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  got = jax.jit(jax.grad(through_jflash, argnums))(q, k, v, bias)
+  want = jax.jit(jax.grad(direct, argnums))(q, k, v, bias)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  # The same kernels: as many Pallas calls (forward and backward).
+  counts = [_count_primitive(jax.make_jaxpr(jax.grad(fn, argnums))(
+      q, k, v, bias).jaxpr, "pallas_call") for fn in (through_jflash, direct)]
+  assert counts[0] == counts[1]
+  assert counts[0] > 0 or implementation == "xla"
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """Equations of primitive ``name`` in ``jaxpr`` and its sub-jaxprs."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          count += _count_primitive(sub, name)
+  return count
 
 
 def test_reverse_mode_keeps_the_custom_backward(monkeypatch):
@@ -310,5 +467,34 @@ def test_reverse_mode_keeps_the_custom_backward(monkeypatch):
   jax.vjp(f, q)[1](q)
   jax.grad(lambda q: jax.lax.scan(lambda c, _: (f(c), None), q, None,
                                   length=2)[0].sum())(q)
+  jax.grad(lambda q: jax.vmap(f)(jnp.stack([q, q])).sum())(q)
   with pytest.raises(AssertionError, match="differentiable"):
     jax.jvp(f, (q,), (q,))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
+def test_context_parallel_calls_are_reverse_mode_only():
+  """A sequence-sharded call differentiates in reverse mode; forward mode
+  raises NotImplementedError naming jflash."""
+  rng = _rng()
+  q, k, v = _qkv(rng, b=1, t=32, s=32)
+  mesh = jax.make_mesh((4,), ("context",), axis_types=(AxisType.Auto,))
+  attend = jax.shard_map(
+      lambda q, k, v: jflash.dot_product_attention(
+          q, k, v, is_causal=True, implementation=SMALL_TILES,
+          context_parallel=jflash.ContextParallel(axis_name="context")),
+      mesh=mesh, in_specs=(P(None, "context"),) * 3,
+      out_specs=P(None, "context"))
+
+  def grads(f):
+    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))),
+                    (0, 1, 2))(q, k, v)
+
+  reference_fn = lambda q, k, v: _reference_fn(None, dict(is_causal=True))(
+      q, k, v)[0]
+  for got, want in zip(jax.jit(lambda: grads(attend))(), grads(reference_fn)):
+    assert rel_err(got, want) < 1e-5
+  with pytest.raises(NotImplementedError, match=r"jflash.*context-parallel"):
+    jax.jvp(attend, (q, k, v), (q, k, v))
+  with pytest.raises(NotImplementedError, match=r"jflash.*context-parallel"):
+    jax.jit(lambda q: jax.jvp(attend, (q, k, v), (q, k, v)))(q)

@@ -24,9 +24,10 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad, batching, mlir, partial_eval
+from jax.interpreters import batching, mlir
 
 import jflash.backends as registry
+from jflash.backends import derivatives
 from jflash.backends.base import AttentionCall, Backend
 from jflash.backends.xla import XlaBackend
 
@@ -211,50 +212,50 @@ def run_per_platform(call: AttentionCall, orders: Mapping[str, Orders]
   return out, lse, names
 
 
-# ------------------------------------------------ derivatives JAX computes
-def needs_jax_derivatives(call: AttentionCall) -> bool:
-  """True when the call is traced under forward-mode differentiation
-  (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, Hessian-vector products)
-  or under two nested reverse-mode ones (``jax.grad`` of ``jax.grad``).
-  The backends' own backward passes (``jax.custom_vjp``) serve one level of
-  reverse mode only."""
-  arrays = (call.query, call.key, call.value, call.bias, call.mask)
-  forward, reverse = False, set()
-  for x in jax.tree.leaves(arrays):
-    while isinstance(x, jax.core.Tracer):
-      if hasattr(x, "primal") and hasattr(x, "tangent"):
-        # A JVP tracer whose tangent is being staged out belongs to a
-        # linearization (reverse mode), not to forward mode.
-        if (isinstance(x, ad.JVPTracer)
-            and not isinstance(x.tangent, partial_eval.JaxprTracer)):
-          forward = True
-        else:
-          reverse.add(id(x._trace))
-        x = x.primal
-      else:
-        x = getattr(x, "val", None)
-  return forward or len(reverse) > 1
+# ------------------------------------------------------------ derivatives
+def serve(call: AttentionCall, backends: tuple[Backend, ...] | None,
+          platform: str | None = None, for_training: bool = False
+          ) -> tuple[Array, Array, str]:
+  """``(out, lse, name of the backend chosen)``, differentiable in every
+  mode and to any order (:mod:`jflash.backends.derivatives`): reverse mode
+  runs the chosen backend's own backward pass, forward mode and the
+  derivatives of a backward pass differentiate the ``xla`` formulation
+  (the first :class:`XlaBackend` of ``backends``, else the default one).
+
+  ``backends=None`` (``implementation=None``): each lowering platform's
+  default orders joined in one per-platform call
+  (:func:`run_per_platform`), the name reported being the host's choice;
+  with ``platform``, only that platform's order is traced, its training
+  order with ``for_training``.
+  """
+  names = []
+
+  def served(call: AttentionCall) -> tuple[Array, Array]:
+    if backends is not None:
+      out, lse, name = run(call, backends)
+    elif platform is not None:
+      inference, training = default_orders(call, platform)
+      out, lse, name = run(call, training if for_training else inference)
+    else:
+      orders = {p: default_orders(call, p) for p in PLATFORMS}
+      out, lse, chosen = run_per_platform(call, orders)
+      name = chosen.get(host_platform(), chosen.get("cpu"))
+    names.append(name)
+    return out, lse
+
+  xla = next((b for b in backends or () if isinstance(b, XlaBackend)),
+             XlaBackend())
+  out, lse = derivatives.differentiable(call, served, xla)
+  return out, lse, names[0]
 
 
-def run_differentiable(call: AttentionCall,
-                       backends: tuple[Backend, ...] | None
-                       ) -> tuple[Array, Array, str]:
-  """The ``xla`` formulation JAX differentiates itself (see
-  :func:`needs_jax_derivatives`): the first ``xla`` backend of
-  ``backends``, or the default one when ``backends`` is None."""
-  xla = next((b for b in (backends or (XlaBackend(),))
-              if isinstance(b, XlaBackend)), None)
-  if xla is None:
-    raise NotImplementedError(
-        "jflash.dot_product_attention: forward-mode derivatives (jax.jvp, "
-        "jax.jacfwd, jax.hessian) and reverse mode over reverse mode are "
-        "computed by the 'xla' backend's formulation, and implementation="
-        f"{[b.name for b in backends]} holds no 'xla' backend; pass "
-        "implementation=None or add 'xla'")
-  with jax.named_scope(f"jflash/{xla.name}"):
-    out, lse = xla.differentiable(call)
-  _log_choice(call, {"any platform": f"{xla.name} (derivatives by JAX)"})
-  return out, lse, xla.name
+def serve_reverse_only(call: AttentionCall, served: derivatives.Serve,
+                       what: str) -> tuple[Array, Array]:
+  """``served(call)`` differentiable in reverse mode (its own backward
+  pass); forward mode and derivatives of the backward pass raise
+  ``NotImplementedError`` saying that they are not available ``what``
+  (e.g. "for a context-parallel call") when they are evaluated."""
+  return derivatives.differentiable(call, served, None, what)
 
 
 # ------------------------------------------------------ per-platform calls
