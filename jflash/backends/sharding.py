@@ -38,6 +38,13 @@ def _axes(entry) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def is_explicitly_sharded(call: AttentionCall) -> bool:
+  """Whether any of query, key and value carries an explicit sharding
+  (an ``AxisType.Explicit`` mesh axis in its type)."""
+  return any(_explicit_spec(x) is not None
+             for x in (call.query, call.key, call.value))
+
+
 def per_shard(call: AttentionCall, run: Callable[[AttentionCall],
                                                  tuple[Array, Array]],
               name: str) -> tuple[Array, Array]:
