@@ -261,11 +261,14 @@ def _shardings(mesh, layout: _Layout, static: _Static, kinds: str):
 def _rule(static: _Static, operands: str, results: str) -> SdyShardingRule:
   """The Shardy rule: batch ``b``, sequences ``t``/``s``, heads (``n``, or
   under GQA/MQA ``(k g)`` for the queries and ``k`` for keys and values)
-  and the head dim ``h``, which must be replicated."""
+  and the head dim ``h``, which must be replicated.  The partition
+  functions make the final choice; the rule guides propagation."""
   heads, kv_heads = static.q_shape[2], static.kv_shape[2]
-  grouped = heads != kv_heads and kv_heads > 0
+  # Shardy takes no factor of size 1 in a compound: MQA's one K/V head is
+  # a factor of its own (replicated when the query heads are split).
+  grouped = heads != kv_heads and kv_heads > 1
   q_heads = CompoundFactor("k", "g") if grouped else "n"
-  k_heads = "k" if grouped else "n"
+  k_heads = "k" if grouped or heads != kv_heads else "n"
   maps = {"x": ArrayMapping("b", "t", q_heads, "h"),
           "kv": ArrayMapping("b", "s", k_heads, "h"),
           "lse": ArrayMapping("b", "t", q_heads)}
