@@ -257,6 +257,18 @@ def _shardings(mesh, layout: _Layout, static: _Static, kinds: str):
   return named, arrays
 
 
+def _without_constants(fn: Callable) -> Callable:
+  """``fn`` traced as one ``jax.jit`` call: a kernel's tile schedule built
+  while tracing (``trace_time``) is a constant array, which
+  ``custom_partitioning`` does not take as a free constant of its
+  function, but takes inside a nested call."""
+  jitted = jax.jit(fn)
+
+  def call(*args):
+    return jitted(*args)
+  return call
+
+
 # ------------------------------------------------------------ sharding rule
 def _rule(static: _Static, operands: str, results: str) -> SdyShardingRule:
   """The Shardy rule: batch ``b``, sequences ``t``/``s``, heads (``n``, or
@@ -343,7 +355,7 @@ def _forward(static: _Static, training: bool) -> custom_partitioning:
     results = tuple(_shardings(mesh, layout, static, "x lse")[0])
     return mesh, local_fn(layout), results, (q, k, v, arrays)
 
-  fn = custom_partitioning(whole)
+  fn = custom_partitioning(_without_constants(whole))
   fn.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=_rule(static, "x kv kv", "x lse"))
   return fn
@@ -388,7 +400,7 @@ def _backward(static: _Static) -> custom_partitioning:
     results = tuple(_shardings(mesh, layout, static, "x kv kv")[0])
     return mesh, local_fn(layout), results, (*operands, arrays)
 
-  fn = custom_partitioning(whole)
+  fn = custom_partitioning(_without_constants(whole))
   fn.def_partition(partition, infer_sharding_from_operands=infer,
                    sharding_rule=_rule(static, "x kv kv x lse x lse",
                                        "x kv kv"))
