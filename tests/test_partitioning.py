@@ -204,3 +204,29 @@ def test_kernel_on_sharded_sequence_matches_reference(partitioner):
   out_spec, _ = _run((2, 2), ("data", "seq"), P("data", "seq"),
                         dict(is_causal=True, segments=True, lengths=True))
   assert _padded(out_spec)[0] == "data"
+
+
+# ------------------------------------------------------------ transforms
+def test_vmap_and_static_schedules_outside_a_mesh():
+  """``jax.vmap`` (folded into the batch axis) and a causal-only mask
+  (whose tile schedule is a constant built while tracing), on one
+  device's arrays with several devices present."""
+  rng = fresh_rng()
+  q, key, value = (jnp.stack([x, -x]) for x in
+                   random_qkv(rng, b=2, t=32, s=32, n=2, k=1, h=16))
+
+  def loss(q, k, v):
+    out = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=SMALL, interpret=True)
+    return jnp.sum(out * out), out
+
+  got_grads, got = jax.jit(jax.vmap(jax.grad(loss, (0, 1, 2),
+                                             has_aux=True)))(q, key, value)
+  for i in range(2):
+    case = Case(q[i], key[i], value[i], kwargs=dict(is_causal=True))
+    want, _ = case.call_reference(q[i], key[i], value[i], None)
+    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(case.call_reference(
+        *a, None, jit=False)[0] ** 2), (0, 1, 2)))(q[i], key[i], value[i])
+    assert rel_err(got[i], want) < 1e-5
+    for g, w in zip(got_grads, want_grads):
+      assert rel_err(g[i], w) < 1e-4

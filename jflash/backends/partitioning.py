@@ -115,6 +115,15 @@ class _Static:
                                mask=mask)
 
 
+  def with_batch(self, batch: int) -> "_Static":
+    """The same call over ``batch`` rows."""
+    return dataclasses.replace(
+        self, q_shape=(batch,) + tuple(self.q_shape[1:]),
+        kv_shape=(batch,) + tuple(self.kv_shape[1:]),
+        call=dataclasses.replace(self.call, mask=dataclasses.replace(
+            self.call.mask, batch=batch)))
+
+
 # ------------------------------------------------------------------ layout
 @dataclasses.dataclass(frozen=True)
 class _Layout:
@@ -300,9 +309,9 @@ def _rule(static: _Static, operands: str, results: str) -> SdyShardingRule:
 def _attention(static: _Static) -> Callable:
   """The differentiable call ``(q, k, v, mask arrays) -> (out, lse)``: a
   partitioned forward whose derivative is a partitioned backward."""
-  inference = _forward(static, training=False)
-  training = _forward(static, training=True)
-  backward = _backward(static)
+  inference = _batchable(static, lambda s: _forward(s, training=False))
+  training = _batchable(static, lambda s: _forward(s, training=True))
+  backward = _batchable(static, _backward)
 
   @jax.custom_vjp
   def attention(q, k, v, arrays):
@@ -320,6 +329,44 @@ def _attention(static: _Static) -> Callable:
 
   attention.defvjp(attention_fwd, attention_bwd)
   return attention
+
+
+def _batchable(static: _Static,
+               build: Callable[[_Static], Callable]) -> Callable:
+  """``build(static)`` with a ``jax.vmap`` rule (``custom_partitioning``
+  has none): the mapped axis is folded into the batch axis of every
+  operand (the operands not mapped are broadcast), and the folded call is
+  built for the larger batch."""
+  fn = jax.custom_batching.custom_vmap(build(static))
+
+  @fn.def_vmap
+  def rule(axis_size: int, in_batched, *args):
+    batch = static.q_shape[0]
+    names = (None,) * (len(args) - 1) + (static.names,)
+
+    def fold(x, mapped, name=None):
+      if name is not None and name.endswith("offset"):
+        if mapped:
+          raise NotImplementedError(
+              "sequence offsets mapped by jax.vmap differ per call; map "
+              "the call outside the kernel backend")
+        return x
+      if not mapped:
+        x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+      return x.reshape((axis_size * batch,) + x.shape[2:])
+
+    folded = []
+    for arg, mapped, name in zip(args, in_batched, names):
+      if name is None:
+        folded.append(fold(arg, mapped))
+      else:
+        folded.append(tuple(fold(x, m, n)
+                            for x, m, n in zip(arg, mapped, name)))
+    outs = _batchable(static.with_batch(axis_size * batch), build)(*folded)
+    outs = tuple(o.reshape((axis_size, batch) + o.shape[1:]) for o in outs)
+    return outs, tuple(True for _ in outs)
+
+  return fn
 
 
 def _forward(static: _Static, training: bool) -> custom_partitioning:
