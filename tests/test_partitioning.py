@@ -230,3 +230,12 @@ def test_vmap_and_static_schedules_outside_a_mesh():
     assert rel_err(got[i], want) < 1e-5
     for g, w in zip(got_grads, want_grads):
       assert rel_err(g[i], w) < 1e-4
+
+
+def test_batch_split_of_keys_alone_is_followed(partitioner):
+  """Keys and values split over batch, queries replicated: the queries
+  are sliced to match (no collective) rather than the keys gathered."""
+  out_spec, collectives = _run((4,), ("data",), P(), dict(is_causal=True),
+                               kv_spec=P("data"))
+  assert _padded(out_spec)[0] == "data"
+  assert collectives == dict.fromkeys(COLLECTIVES, 0), collectives

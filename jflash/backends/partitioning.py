@@ -84,7 +84,18 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   static = _Static(bare, names, call.query.shape, call.key.shape,
                    call.query.dtype, backend, run, parallel)
   arrays = tuple(getattr(mask, n) for n in names)
+  if _has_effects(static, call.query, call.key, call.value, arrays):
+    return run(call)
   return _attention(static)(call.query, call.key, call.value, arrays)
+
+
+def _has_effects(static: _Static, *args) -> bool:
+  """Whether the kernel call has side effects (the callbacks of Pallas's
+  TPU interpreter with ``InterpretParams``): ``custom_partitioning``
+  declares none for its function, so such a call runs as it is."""
+  def forward(q, k, v, arrays):
+    return static.run(static.rebuild(q, k, v, arrays))
+  return bool(jax.make_jaxpr(forward)(*args).effects)
 
 
 # ------------------------------------------------------------ static facts
@@ -183,35 +194,48 @@ def _size(mesh, entry) -> int:
   return size
 
 
-def _layout(static: _Static, mesh, q_shape) -> _Layout:
-  """The split of a call whose query arrives sharded as ``q_shape``:
-  each of batch, sequence and heads keeps its mesh axes where the kernels
-  can use them; the head dim is never split."""
+def _layout(static: _Static, mesh, q_shape, k_shape) -> _Layout:
+  """The split of a call whose query and key arrive sharded as
+  ``q_shape`` and ``k_shape``: batch and heads take the query's mesh axes
+  (else the key's), the sequence the query's, each where the kernels can
+  use them; the head dim is never split."""
   batch, _, heads, _ = static.q_shape
   kv_heads = static.kv_shape[2]
-  spec = _spec(q_shape)
-  b = spec[0] if batch % _size(mesh, spec[0]) == 0 else None
-  h = spec[2]
-  parts = _size(mesh, h)
-  if heads % parts or (kv_heads > 1 and kv_heads % parts):
-    h = None
+  q_spec, k_spec = _spec(q_shape), _spec(k_shape)
+  used: set[str] = set()
+
+  def take(entry, size: int, *more_sizes: int):
+    """``entry`` if its shards divide every size and its axes are free."""
+    parts = _size(mesh, entry)
+    if (entry is None or any(n % parts for n in (size,) + more_sizes)
+        or used & set(_axes(entry))):
+      return None
+    used.update(_axes(entry))
+    return entry
+
+  b = take(q_spec[0] if q_spec[0] is not None else k_spec[0], batch)
+  # Query head j reads K/V head j // (N / K): split together, the shards
+  # line up when they divide K (MQA's one K/V head is replicated).
+  h = q_spec[2] if q_spec[2] is not None else (
+      k_spec[2] if kv_heads > 1 else None)
+  h = take(h, heads, *((kv_heads,) if kv_heads > 1 else ()))
   kv_h = None if (kv_heads == 1 and _size(mesh, h) > 1) else h
-  seq, plan = spec[1], None
-  shards = _size(mesh, seq)
-  if shards > 1:
-    plan = _sequence_plan(static, mesh, b, seq, h, kv_h, shards)
+  seq = take(q_spec[1], static.q_shape[1], static.kv_shape[1])
+  plan = None
+  if _size(mesh, seq) > 1:
+    plan = _sequence_plan(static, mesh, b, seq, h, kv_h, _size(mesh, seq))
   return _Layout(b, seq if plan is not None else None, h, kv_h, plan)
 
 
 def _sequence_plan(static: _Static, mesh, b, seq, h, kv_h,
                    shards: int) -> context.Plan | None:
   """The context-parallel plan over the sequence axes ``seq``, or None
-  when the sequences cannot be split there (lengths that do not divide, a
-  call that already holds blocks of longer sequences, a backend whose
-  block methods decline the blocks): the sequence is then gathered."""
+  when the sequences cannot be split there (a call that already holds
+  blocks of longer sequences, a backend whose block methods decline the
+  blocks): the sequence is then gathered."""
   _, q_len, heads, _ = static.q_shape
   kv_len, kv_heads = static.kv_shape[1], static.kv_shape[2]
-  if (q_len % shards or kv_len % shards or static.call.mask.has_offsets):
+  if static.call.mask.has_offsets:
     return None
   parallel = static.parallel
   strategy = getattr(parallel, "strategy", "auto")
@@ -392,12 +416,12 @@ def _forward(static: _Static, training: bool) -> custom_partitioning:
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    layout = _layout(static, mesh, arg_shapes[0])
+    layout = _layout(static, mesh, *arg_shapes[:2])
     return tuple(_shardings(mesh, layout, static, "x lse")[0])
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    layout = _layout(static, mesh, arg_shapes[0])
+    layout = _layout(static, mesh, *arg_shapes[:2])
     (q, k, v), arrays = _shardings(mesh, layout, static, "x kv kv")
     results = tuple(_shardings(mesh, layout, static, "x lse")[0])
     return mesh, local_fn(layout), results, (q, k, v, arrays)
@@ -436,12 +460,12 @@ def _backward(static: _Static) -> custom_partitioning:
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    layout = _layout(static, mesh, arg_shapes[0])
+    layout = _layout(static, mesh, *arg_shapes[:2])
     return tuple(_shardings(mesh, layout, static, "x kv kv")[0])
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    layout = _layout(static, mesh, arg_shapes[0])
+    layout = _layout(static, mesh, *arg_shapes[:2])
     operands, arrays = _shardings(mesh, layout, static,
                                   "x kv kv x lse x lse")
     results = tuple(_shardings(mesh, layout, static, "x kv kv")[0])
