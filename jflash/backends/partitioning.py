@@ -73,7 +73,7 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   """
   if sharding.is_explicitly_sharded(call):
     return sharding.per_shard(call, run, backend.name)
-  if (jax.device_count() == 1 or call.bias is not None
+  if (not _devices_to_split() or call.bias is not None
       or call.mask.dense is not None):
     return run(call)
   mask = call.mask
@@ -87,6 +87,19 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   if _has_effects(static, call.query, call.key, call.value, arrays):
     return run(call)
   return _attention(static)(call.query, call.key, call.value, arrays)
+
+
+def _devices_to_split() -> bool:
+  """Whether the call is traced for several devices present here.  Not
+  under an abstract mesh that names its device (lowering for another
+  platform, as ``jax.export`` from a host without it), which
+  ``custom_partitioning`` cannot lower (it needs the devices)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if getattr(mesh, "abstract_device", None) is not None:
+    return False
+  if mesh.axis_names and mesh.size == 1:
+    return False
+  return jax.device_count() > 1
 
 
 def _has_effects(static: _Static, *args) -> bool:
@@ -110,7 +123,7 @@ class _Static:
   dtype: Any
   backend: Backend
   run: Run
-  parallel: Any
+  parallel: Any  # a ContextParallel, or None
 
   def rebuild(self, q: Array, k: Array, v: Array, arrays: tuple,
               sequence_shards: bool = False) -> AttentionCall:
@@ -124,7 +137,6 @@ class _Static:
         **({"has_offsets": True} if sequence_shards else {}))
     return dataclasses.replace(self.call, query=q, key=k, value=v,
                                mask=mask)
-
 
   def with_batch(self, batch: int) -> "_Static":
     """The same call over ``batch`` rows."""
