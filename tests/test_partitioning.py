@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 import jflash
 from jflash.backends import (MosaicTpuBackend, MosaicTpuConfig, XlaBackend,
                              XlaConfig, partitioning)
+from jflash.backends.base import AttentionCall
+from jflash.masks import AttentionMask
 from tests._support import (Case, fresh_rng, lse_err, random_qkv,
                             random_segments, rel_err)
 
@@ -197,13 +199,31 @@ def test_sequence_sharding_under_gqa_gathers_keys(partitioner):
   assert collectives["collective-permute"] == 0
 
 
+def _serves_offset_blocks(backend) -> bool:
+  """Whether ``backend``'s block forward serves a mask with offsets."""
+  q, k, v = random_qkv(fresh_rng(), b=1, t=16, s=16, n=2, k=2, h=16)
+  mask = AttentionMask(batch=1, q_len=16, kv_len=16, is_causal=True,
+                       q_offset=jnp.int32(16), kv_offset=jnp.int32(0))
+  call = AttentionCall(q, k, v, None, mask, scale=0.25, logits_soft_cap=None,
+                       interpret=True)
+  try:
+    jax.eval_shape(lambda: backend.forward(call))
+  except NotImplementedError:
+    return False
+  return True
+
+
 def test_kernel_on_sharded_sequence_matches_reference(partitioner):
-  """mosaic_tpu with the query sequence split: context parallelism when
-  its block methods serve offsets, else the sequence gathered; exact
+  """mosaic_tpu with the query sequence split: a context-parallel ring
+  when its block methods serve offsets, else the sequence gathered; exact
   either way, with the batch kept split."""
-  out_spec, _ = _run((2, 2), ("data", "seq"), P("data", "seq"),
-                        dict(is_causal=True, segments=True, lengths=True))
+  out_spec, collectives = _run(
+      (2, 2), ("data", "seq"), P("data", "seq"),
+      dict(is_causal=True, segments=True, lengths=True), n=2, k=2)
   assert _padded(out_spec)[0] == "data"
+  ring = collectives["collective-permute"] > 0
+  assert ring == _serves_offset_blocks(SMALL)
+  assert (collectives["all-gather"] > 0) == (not ring)
 
 
 # ------------------------------------------------------------ transforms
