@@ -84,7 +84,8 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   static = _Static(bare, names, call.query.shape, call.key.shape,
                    call.query.dtype, backend, run, parallel)
   arrays = tuple(getattr(mask, n) for n in names)
-  if _has_effects(static, call.query, call.key, call.value, arrays):
+  if call.interpret and _has_effects(static, call.query, call.key,
+                                     call.value, arrays):
     return run(call)
   return _attention(static)(call.query, call.key, call.value, arrays)
 
@@ -104,8 +105,9 @@ def _devices_to_split() -> bool:
 
 def _has_effects(static: _Static, *args) -> bool:
   """Whether the kernel call has side effects (the callbacks of Pallas's
-  TPU interpreter with ``InterpretParams``): ``custom_partitioning``
-  declares none for its function, so such a call runs as it is."""
+  TPU interpreter with ``InterpretParams``; compiled kernels have none):
+  ``custom_partitioning`` declares none for its function, so such a call
+  runs as it is."""
   def forward(q, k, v, arrays):
     return static.run(static.rebuild(q, k, v, arrays))
   return bool(jax.make_jaxpr(forward)(*args).effects)
