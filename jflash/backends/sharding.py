@@ -6,8 +6,8 @@ axes are independent, so :func:`per_shard` runs the backend inside
 ``jax.shard_map`` on each device's block, with no communication.  Inputs
 sharded along a sequence or head-dim axis are declined
 (``NotImplementedError``): attention would need the other devices' keys.
-Under ``Auto`` sharding the shardings are not known while tracing, and the
-kernel runs on whole arrays as XLA places them.
+Under ``Auto`` sharding the shardings are not known while tracing; the
+partitioner splits the kernels there (:mod:`jflash.backends.partitioning`).
 """
 
 from __future__ import annotations
