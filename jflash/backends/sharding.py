@@ -6,7 +6,9 @@ axes are independent, so :func:`per_shard` runs the backend inside
 ``jax.shard_map`` on each device's block, with no communication.  Inputs
 whose sequence axis is sharded go to :func:`run_sequence_sharded`, which
 runs context parallelism (:mod:`jflash.backends.context`) inside a
-``shard_map`` over the batch, sequence and head axes.
+``shard_map`` over the batch, sequence and head axes.  Under ``Auto``
+sharding the shardings are not known while tracing; the partitioner splits
+the kernels there (:mod:`jflash.backends.partitioning`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def _axes(entry) -> tuple[str, ...]:
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def is_explicitly_sharded(call: AttentionCall) -> bool:
+  """Whether any of query, key and value carries an explicit sharding
+  (an ``AxisType.Explicit`` mesh axis in its type)."""
+  return any(_explicit_spec(x) is not None
+             for x in (call.query, call.key, call.value))
 
 
 def per_shard(call: AttentionCall, run: Callable[[AttentionCall],

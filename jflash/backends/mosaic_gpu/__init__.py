@@ -31,7 +31,7 @@ from jflash import masks
 from jflash.backends import trace_time
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import pad_axis, round_up
-from jflash.backends.sharding import per_shard
+from jflash.backends.partitioning import run_sharded
 from jflash.backends.mosaic_gpu import (backward_dkv, backward_dq,
                                        backward_fused, forward, schedule)
 from jflash.backends.mosaic_gpu.common import (LOG2E, LogitTransform,
@@ -111,7 +111,7 @@ class MosaicGpuBackend:
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
     self._check(call)
-    return per_shard(call, self._run, self.name)
+    return run_sharded(call, self, self._run)
 
   def _check(self, call: AttentionCall) -> None:
     """Declines (``NotImplementedError``) what the kernels do not serve."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jflash import masks
 from jflash.backends.base import AttentionCall
 from jflash.backends.padding import round_up
-from jflash.backends.sharding import per_shard
+from jflash.backends.partitioning import run_sharded
 from jflash.backends.mosaic_tpu import common, ops
 from jflash.backends.mosaic_tpu.common import Plan
 from jflash.backends.mosaic_tpu.config import (LANES, SUBLANES,
@@ -63,7 +63,7 @@ class MosaicTpuBackend:
     """``(out [B, T, N, H], logsumexp [B, T, N] float32)``; inputs
     explicitly sharded over batch or heads run per shard."""
     self._check_supported(call)
-    return per_shard(call, self._run, self.name)
+    return run_sharded(call, self, self._run)
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
     batch, q_len, _, _ = call.query.shape

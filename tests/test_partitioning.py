@@ -1,0 +1,263 @@
+"""Kernel backends under ``jax.jit`` with ``Auto``-mode ``NamedSharding``
+inputs (``jflash.backends.partitioning``), checked with the TPU kernels in
+interpret mode on the host devices, under both Shardy and GSPMD: each
+device runs its batch/head block with no collective, axes the kernels
+cannot split are gathered alone, and sharded sequences run context
+parallelism; values and gradients match the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jflash
+from jflash.backends import (MosaicTpuBackend, MosaicTpuConfig, XlaBackend,
+                             XlaConfig, partitioning)
+from jflash.backends.base import AttentionCall
+from jflash.masks import AttentionMask
+from tests._support import (Case, fresh_rng, lse_err, random_qkv,
+                            random_segments, rel_err)
+
+SMALL = MosaicTpuBackend(MosaicTpuConfig(block_q=16, block_kv=16))
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute",
+               "all-to-all")
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs 8 devices")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionedXla:
+  """The ``xla`` backend's blocks behind :func:`partitioning.run_sharded`
+  (its block methods serve sequence offsets), to check the
+  context-parallel path whatever the kernels serve."""
+
+  inner: XlaBackend = XlaBackend(XlaConfig(block_q=8, block_kv=8))
+  name: str = "partitioned_xla"
+
+  def __call__(self, call):
+    return partitioning.run_sharded(call, self.inner, self.inner)
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+  """Runs the test under Shardy (JAX's default) and under GSPMD."""
+  saved = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+  yield request.param
+  jax.config.update("jax_use_shardy_partitioner", saved)
+
+
+def _padded(spec) -> tuple:
+  """A partition spec's first three entries (batch, sequence, heads)."""
+  return (tuple(spec) + (None,) * 3)[:3]
+
+
+def _counts(text: str) -> dict[str, int]:
+  return {c: text.count(c + "(") + text.count(c + "-start(")
+          for c in COLLECTIVES}
+
+
+def _loss(out, lse, cot):
+  """A loss through both outputs (rows that see no key have a logsumexp
+  of -inf and no gradient)."""
+  lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  return jnp.sum(out * cot) + jnp.sum(lse * cot[..., 0])
+
+
+def _divides(x, mesh, spec) -> bool:
+  return all(d % np.prod([mesh.shape[a] for a in
+                          (e if isinstance(e, tuple) else (e,))], dtype=int)
+             == 0 for d, e in zip(x.shape, spec) if e is not None)
+
+
+def _run(mesh_shape, names, spec, kwargs, *, b=4, t=32, n=4, k=2, h=16,
+         backend=SMALL, kv_spec=None):
+  """Runs the forward and gradients under ``jax.jit`` with q, k, v sharded
+  as ``spec`` on an Auto mesh; checks them against the reference and
+  returns the output's partition spec and the program's collectives."""
+  rng = fresh_rng()
+  q, key, value = random_qkv(rng, b=b, t=t, s=t, n=n, k=k, h=h)
+  cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  kwargs = dict(kwargs)
+  if kwargs.pop("segments", False):
+    kwargs["segment_ids"] = jnp.asarray(random_segments(rng, b, t))
+  if kwargs.pop("lengths", False):
+    kwargs["key_value_seq_lengths"] = jnp.asarray(
+        rng.integers(1, t + 1, b), jnp.int32)
+    kwargs["query_seq_lengths"] = jnp.asarray(
+        rng.integers(1, t + 1, b), jnp.int32)
+  case = Case(q, key, value, kwargs=kwargs)
+
+  mesh = jax.make_mesh(mesh_shape, names,
+                       axis_types=(AxisType.Auto,) * len(names))
+  specs = (spec, kv_spec or spec, kv_spec or spec, spec)
+
+  def loss(q, k, v, cot):
+    # Uneven shardings (heads that do not divide) can only arise inside
+    # a program, as they do from a producer's sharding.
+    q, k, v, cot = (jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, s)) for x, s in zip((q, k, v, cot), specs))
+    out, lse = jflash.dot_product_attention(
+        q, k, v, **kwargs, implementation=backend, interpret=True,
+        return_residual=True)
+    return _loss(out, lse, cot), (out, lse)
+
+  placed = [jax.device_put(x, NamedSharding(mesh, s if _divides(x, mesh, s)
+                                            else P()))
+            for x, s in zip((q, key, value, cot), specs)]
+  # One program with the forward and the backward.
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(
+      *placed).compile()
+  grads, (out, lse) = compiled(*placed)
+
+  def reference_loss(q, k, v):
+    return _loss(*case.call_reference(q, k, v, None, jit=False), cot)
+
+  want_out, want_lse = case.call_reference(q, key, value, None)
+  want_grads = jax.jit(jax.grad(reference_loss, argnums=(0, 1, 2)))(
+      q, key, value)
+  assert rel_err(out, want_out) < 1e-5
+  assert lse_err(lse, want_lse) < 1e-4
+  for got, want in zip(grads, want_grads):
+    assert rel_err(got, want) < 1e-4
+  return out.sharding.spec, _counts(compiled.as_text())
+
+
+# ------------------------------------------------------ batch and heads
+@pytest.mark.parametrize("mesh_shape,names,spec,n,k", [
+    ((4,), ("data",), P("data"), 4, 2),
+    ((4,), ("model",), P(None, None, "model"), 4, 4),
+    ((2, 2), ("data", "model"), P("data", None, "model"), 4, 2),
+    ((2, 4), ("data", "model"), P("data", None, "model"), 8, 4),
+], ids=["batch", "heads", "batch-x-heads", "gqa-batch-x-heads"])
+def test_batch_and_head_sharding_needs_no_collective(partitioner, mesh_shape,
+                                                     names, spec, n, k):
+  out_spec, collectives = _run(
+      mesh_shape, names, spec, dict(is_causal=True, segments=True,
+                                    lengths=True), n=n, k=k)
+  assert _padded(out_spec) == _padded(spec)
+  assert collectives == dict.fromkeys(COLLECTIVES, 0), collectives
+
+
+def test_mqa_sums_key_gradients_over_head_shards(partitioner):
+  """One K/V head under query heads split over ``model``: K/V are
+  replicated there, and dK/dV are summed over it (the one collective)."""
+  out_spec, collectives = _run(
+      (2, 2), ("data", "model"), P("data", None, "model"),
+      dict(is_causal=True, segments=True), n=4, k=1,
+      kv_spec=P("data"))
+  assert _padded(out_spec) == ("data", None, "model")
+  assert collectives.pop("all-reduce") > 0
+  assert collectives == dict.fromkeys(collectives, 0), collectives
+
+
+@pytest.mark.parametrize("spec,n,k", [
+    (P("data", None, None, "model"), 4, 2),
+    (P("data", None, "model"), 3, 3),
+    (P("data", None, "model"), 4, 4),
+], ids=["head-dim", "heads-not-dividing", "batch-not-dividing"])
+def test_unsplittable_axes_are_gathered_alone(partitioner, spec, n, k):
+  """The head dim, or heads (batch) that do not divide into the shards,
+  are replicated while the other split axis stays split."""
+  b = 3 if n == 4 and k == 4 else 4
+  out_spec, _ = _run((2, 2), ("data", "model"), spec,
+                        dict(is_causal=True, segments=True), b=b, n=n, k=k)
+  kept = ("data", None, None) if b == 4 else (None, None, "model")
+  assert _padded(out_spec) == kept
+
+
+# ------------------------------------------------------------- sequences
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(is_causal=True, segments=True, lengths=True),
+    dict(local_window_size=(5, 3), lengths=True),
+], ids=["causal", "segments+lengths", "window+lengths"])
+def test_sequence_sharding_runs_context_parallel(partitioner, kwargs):
+  """The query sequence split over ``seq`` with batch over ``data``: a
+  ring over ``seq`` (collective permutes, no gather of the sequence)."""
+  out_spec, collectives = _run(
+      (2, 4), ("data", "seq"), P("data", "seq"), kwargs, n=2, k=2,
+      backend=PartitionedXla())
+  assert _padded(out_spec)[:2] == ("data", "seq")
+  assert collectives["collective-permute"] > 0
+  assert collectives["all-gather"] == 0
+
+
+def test_sequence_sharding_under_gqa_gathers_keys(partitioner):
+  out_spec, collectives = _run(
+      (4,), ("seq",), P(None, "seq"), dict(is_causal=True, segments=True),
+      n=4, k=1, backend=PartitionedXla(), kv_spec=P())
+  assert _padded(out_spec)[:2] == (None, "seq")
+  assert collectives["all-gather"] > 0
+  assert collectives["collective-permute"] == 0
+
+
+def _serves_offset_blocks(backend) -> bool:
+  """Whether ``backend``'s block forward serves a mask with offsets."""
+  q, k, v = random_qkv(fresh_rng(), b=1, t=16, s=16, n=2, k=2, h=16)
+  mask = AttentionMask(batch=1, q_len=16, kv_len=16, is_causal=True,
+                       q_offset=jnp.int32(16), kv_offset=jnp.int32(0))
+  call = AttentionCall(q, k, v, None, mask, scale=0.25, logits_soft_cap=None,
+                       interpret=True)
+  try:
+    jax.eval_shape(lambda: backend.forward(call))
+  except NotImplementedError:
+    return False
+  return True
+
+
+def test_kernel_on_sharded_sequence_matches_reference(partitioner):
+  """mosaic_tpu with the query sequence split: a context-parallel ring
+  when its block methods serve offsets, else the sequence gathered; exact
+  either way, with the batch kept split."""
+  out_spec, collectives = _run(
+      (2, 2), ("data", "seq"), P("data", "seq"),
+      dict(is_causal=True, segments=True, lengths=True), n=2, k=2)
+  assert _padded(out_spec)[0] == "data"
+  ring = collectives["collective-permute"] > 0
+  assert ring == _serves_offset_blocks(SMALL)
+  assert (collectives["all-gather"] > 0) == (not ring)
+
+
+# ------------------------------------------------------------ transforms
+def test_vmap_and_static_schedules_outside_a_mesh():
+  """``jax.vmap`` (folded into the batch axis) and a causal-only mask
+  (whose tile schedule is a constant built while tracing), on one
+  device's arrays with several devices present."""
+  rng = fresh_rng()
+  q, key, value = (jnp.stack([x, -x]) for x in
+                   random_qkv(rng, b=2, t=32, s=32, n=2, k=1, h=16))
+
+  def loss(q, k, v):
+    out = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=SMALL, interpret=True)
+    return jnp.sum(out * out), out
+
+  got_grads, got = jax.jit(jax.vmap(jax.grad(loss, (0, 1, 2),
+                                             has_aux=True)))(q, key, value)
+  for i in range(2):
+    case = Case(q[i], key[i], value[i], kwargs=dict(is_causal=True))
+    want, _ = case.call_reference(q[i], key[i], value[i], None)
+    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(case.call_reference(
+        *a, None, jit=False)[0] ** 2), (0, 1, 2)))(q[i], key[i], value[i])
+    assert rel_err(got[i], want) < 1e-5
+    for g, w in zip(got_grads, want_grads):
+      assert rel_err(g[i], w) < 1e-4
+
+
+def test_batch_split_of_keys_alone_is_followed(partitioner):
+  """Keys and values split over batch, queries replicated: the queries
+  are sliced to match rather than the keys and values gathered.  The one
+  gather left is the replicated query's gradient."""
+  out_spec, collectives = _run((4,), ("data",), P(), dict(is_causal=True),
+                               kv_spec=P("data"))
+  assert _padded(out_spec)[0] == "data"
+  assert collectives.pop("all-gather") <= 1
+  assert collectives == dict.fromkeys(collectives, 0), collectives
