@@ -528,6 +528,20 @@ def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
 
     out, lse = sharding.run_sequence_sharded(call, run_local)
     return out, lse, names[0]
+  if parallel is not None:
+    # Unsharded, every layout is the contiguous one (one shard); under a
+    # mesh of Auto axes the sharding is not known while tracing.
+    if (parallel.layout != "contiguous"
+        and jax.sharding.get_abstract_mesh().size > 1):
+      raise ValueError(
+          f"context_parallel.layout={parallel.layout!r} says where each "
+          "shard's positions lie, which needs the sequence sharding known "
+          "while tracing: shard the inputs over Explicit mesh axes, or call "
+          "inside jax.shard_map with context_parallel.axis_name; with Auto "
+          "mesh axes (or no sharded sequence) use layout='contiguous'")
+    # The strategy, for kernels partitioned under Auto mesh axes that find
+    # the sequence sharded (jflash.backends.partitioning).
+    call = dataclasses.replace(call, context_parallel=parallel)
   return dispatch.serve(call, backends, platform, for_training)
 
 

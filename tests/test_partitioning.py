@@ -199,31 +199,59 @@ def test_sequence_sharding_under_gqa_gathers_keys(partitioner):
   assert collectives["collective-permute"] == 0
 
 
-def _serves_offset_blocks(backend) -> bool:
-  """Whether ``backend``'s block forward serves a mask with offsets."""
-  q, k, v = random_qkv(fresh_rng(), b=1, t=16, s=16, n=2, k=2, h=16)
-  mask = AttentionMask(batch=1, q_len=16, kv_len=16, is_causal=True,
-                       q_offset=jnp.int32(16), kv_offset=jnp.int32(0))
-  call = AttentionCall(q, k, v, None, mask, scale=0.25, logits_soft_cap=None,
-                       interpret=True)
-  try:
-    jax.eval_shape(lambda: backend.forward(call))
-  except NotImplementedError:
-    return False
-  return True
-
-
 def test_kernel_on_sharded_sequence_matches_reference(partitioner):
   """mosaic_tpu with the query sequence split: a context-parallel ring
-  when its block methods serve offsets, else the sequence gathered; exact
-  either way, with the batch kept split."""
+  whose blocks run on the kernels, exact, with the batch kept split."""
   out_spec, collectives = _run(
       (2, 2), ("data", "seq"), P("data", "seq"),
       dict(is_causal=True, segments=True, lengths=True), n=2, k=2)
   assert _padded(out_spec)[0] == "data"
-  ring = collectives["collective-permute"] > 0
-  assert ring == _serves_offset_blocks(SMALL)
-  assert (collectives["all-gather"] > 0) == (not ring)
+  assert collectives["collective-permute"] > 0
+  assert collectives["all-gather"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_parallel_strategy_reaches_partitioned_kernels(strategy):
+  """``context_parallel=ContextParallel(strategy)`` under Auto mesh axes:
+  the partitioned kernels use the strategy asked for."""
+  rng = fresh_rng()
+  mesh = jax.make_mesh((4,), ("seq",), axis_types=(AxisType.Auto,))
+  q, k, v = random_qkv(rng, b=1, t=64, s=64, n=2, k=2, h=16)
+  ids = jnp.asarray(random_segments(rng, 1, 64, 4))
+  cp = jflash.ContextParallel(strategy=strategy)
+  sharding = NamedSharding(mesh, P(None, "seq"))
+  fn = jax.jit(lambda q, k, v, ids: jflash.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=ids, implementation=SMALL,
+      interpret=True, context_parallel=cp))
+  args = [jax.device_put(x, sharding) for x in (q, k, v, ids)]
+  with jax.set_mesh(mesh):
+    out = fn(*args)
+    text = fn.lower(*args).compile().as_text()
+  case = Case(q, k, v, kwargs=dict(is_causal=True, segment_ids=ids))
+  want, _ = case.call_reference(q, k, v, None)
+  assert rel_err(out, want) < 1e-5
+  counts = _counts(text)
+  assert (counts["collective-permute"] > 0) == (strategy == "ring")
+  assert (counts["all-gather"] > 0) == (strategy == "all_gather")
+
+
+def test_zigzag_layout_needs_a_known_sharding():
+  """Under Auto mesh axes the sharding of the sequence is unknown while
+  tracing, so a layout that depends on it is refused, not ignored."""
+  q, k, v = random_qkv(fresh_rng(), b=1, t=64, s=64, n=2, k=2, h=16)
+  cp = jflash.ContextParallel(layout="zigzag")
+  mesh = jax.make_mesh((4,), ("seq",), axis_types=(AxisType.Auto,))
+  for impl in (None, "xla", SMALL):
+    with jax.set_mesh(mesh), pytest.raises(ValueError,
+                                           match="layout='zigzag'"):
+      jax.jit(lambda q, k, v, impl=impl: jflash.dot_product_attention(
+          q, k, v, implementation=impl, interpret=True,
+          context_parallel=cp))(q, k, v)
+  # One shard: the zigzag order is the sequence order.
+  got = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                     context_parallel=cp)
+  want = jflash.dot_product_attention(q, k, v, is_causal=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # ------------------------------------------------------------ transforms

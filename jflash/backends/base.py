@@ -15,7 +15,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -47,6 +47,9 @@ class AttentionCall:
       ``"cuda"``, ``"rocm"``, ``"tpu"``), set when ``implementation=None``
       traces one branch per platform; None for the platform of the trace
       (an abstract mesh's device, else the default backend).
+    context_parallel: the caller's ``jflash.ContextParallel`` (strategy
+      and layout) for kernels that find the sequence sharded while XLA
+      partitions them (``Auto`` mesh axes); None for the defaults.
   """
 
   query: Array
@@ -59,6 +62,7 @@ class AttentionCall:
   returns_residual: bool = False
   interpret: bool = False
   platform: str | None = None
+  context_parallel: Any = None
 
   @property
   def dtype(self):

@@ -465,3 +465,25 @@ class ContextBackend:
       raise NotImplementedError(
           f"{self.inner.name}: serves no blocks of a sharded sequence")
     return attend(call, self.inner, self.plan)
+
+
+def check_blocks(call: AttentionCall, plan: Plan, backend: Backend) -> None:
+  """``NotImplementedError`` unless ``backend``'s block methods serve the
+  blocks of ``call`` (a shard's call) under ``plan``, traced abstractly on
+  one block of the plan's shape, outside any mesh axis."""
+  if not (hasattr(backend, "forward") and hasattr(backend, "backward")):
+    raise NotImplementedError(
+        f"{backend.name}: serves no blocks of a sharded sequence")
+  t, s = call.query.shape[1], call.key.shape[1]
+  q_part, kv_part = plan.chunks(0, t)[0], plan.chunks(0, s)[0]
+  if plan.strategy == "all_gather":
+    kv_part = (0, plan.size * s, 0)
+  key_shape = call.key.shape[:1] + (max(kv_part[1], s),) + call.key.shape[2:]
+  keys = jax.ShapeDtypeStruct(key_shape, call.key.dtype)
+  ids = call.mask.kv_segment_ids
+  if ids is not None:
+    ids = jax.ShapeDtypeStruct(key_shape[:2], ids.dtype)
+  jax.eval_shape(
+      lambda k, v, ids: backend.forward(
+          _block_call(call, q_part, kv_part, (k, v, ids))), keys, keys, ids)
+

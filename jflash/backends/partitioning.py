@@ -92,11 +92,12 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
 
 def _devices_to_split() -> bool:
   """Whether the call is traced for several devices present here.  Not
-  under an abstract mesh that names its device (lowering for another
-  platform, as ``jax.export`` from a host without it), which
-  ``custom_partitioning`` cannot lower (it needs the devices)."""
+  under an abstract mesh whose device is of another platform than this
+  host's (lowering for it, as ``jax.export`` for a TPU from a CPU host),
+  which ``custom_partitioning`` cannot lower (it needs the devices)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if getattr(mesh, "abstract_device", None) is not None:
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and device.platform != jax.devices()[0].platform:
     return False
   if mesh.axis_names and mesh.size == 1:
     return False
@@ -265,7 +266,7 @@ def _sequence_plan(static: _Static, mesh, b, seq, h, kv_h,
 
   def trace(q, k, v, arrays):
     call = static.rebuild(q, k, v, arrays, sequence_shards=True)
-    context.choose_backend(call, plan, (static.backend,))
+    context.check_blocks(call, plan, static.backend)
     return 0
 
   try:

@@ -111,7 +111,7 @@ class MosaicGpuBackend:
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
     self._check(call)
-    return run_sharded(call, self, self._run)
+    return run_sharded(call, self, self._run, call.context_parallel)
 
   def _check(self, call: AttentionCall) -> None:
     """Declines (``NotImplementedError``) what the kernels do not serve."""

@@ -63,7 +63,7 @@ class MosaicTpuBackend:
     """``(out [B, T, N, H], logsumexp [B, T, N] float32)``; inputs
     explicitly sharded over batch or heads run per shard."""
     self._check_supported(call)
-    return run_sharded(call, self, self._run)
+    return run_sharded(call, self, self._run, call.context_parallel)
 
   def _run(self, call: AttentionCall) -> tuple[Array, Array]:
     batch, q_len, _, _ = call.query.shape
