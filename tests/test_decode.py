@@ -382,3 +382,31 @@ def test_invalid_arguments_are_rejected(index):
   fn, match = _errors()[index]
   with pytest.raises(ValueError, match=match):
     fn()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_flax_decode_steps_run_decode_attention(window, monkeypatch):
+  """The NNX module's decode=True steps go through decode_attention (GQA,
+  with and without a window) and match its causal forward token by token."""
+  from flax import nnx
+
+  from jflash.flax import common
+  from jflash.flax import nnx as jnnx
+  calls = []
+
+  def counting(*args, **kwargs):
+    calls.append(args[0].shape)
+    return jflash.decode_attention(*args, **kwargs)
+
+  monkeypatch.setattr(common, "decode_attention", counting)
+  rng = fresh_rng()
+  x = random_normal(rng, (2, 6, 16), jnp.float32)
+  module = jnnx.MultiHeadAttention(4, 16, num_kv_heads=2, decode=False,
+                                   local_window_size=window,
+                                   rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  want = module(x, is_causal=True)
+  module.init_cache(x.shape)
+  for t in range(x.shape[1]):
+    got = module(x[:, t:t + 1], decode=True)
+    assert rel_err(got[:, 0], want[:, t]) < 1e-5, t
+  assert calls == [(2, 1, 4, 4)] * x.shape[1]
