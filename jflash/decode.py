@@ -95,7 +95,9 @@ def _int32(x: Any, name: str, shape: tuple[int, ...], layout: str,
                      f"{_describe(x)}")
   if np.can_cast(x.dtype, np.int32, casting="safe"):
     return jnp.asarray(x).astype(jnp.int32)
-  return jnp.clip(jnp.asarray(x), -1, upper).astype(jnp.int32)
+  if isinstance(x, np.ndarray):  # on the host: jnp.asarray may narrow first
+    return jnp.asarray(np.clip(x, -1, upper).astype(np.int32))
+  return jnp.clip(x, -1, upper).astype(jnp.int32)
 
 
 def _float_constant(x: Any, name: str, dtype) -> float:

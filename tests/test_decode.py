@@ -410,3 +410,18 @@ def test_flax_decode_steps_run_decode_attention(window, monkeypatch):
     got = module(x[:, t:t + 1], decode=True)
     assert rel_err(got[:, 0], want[:, t]) < 1e-5, t
   assert calls == [(2, 1, 4, 4)] * x.shape[1]
+
+
+def test_lengths_of_any_integer_type_and_past_the_capacity():
+  """Python lists and int64 lengths beyond int32 read as the same values,
+  clipped to the capacity (a full cache)."""
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=2, capacity=16)
+  args = (problem.query, problem.key, problem.value)
+  lengths = [0, 16, 1, 9]
+  want = jflash.decode_attention(*args, np.array(lengths, np.int32))
+  got = jflash.decode_attention(*args, lengths)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  huge = np.array([0, 2**40, 1, 9], np.int64)
+  got = jflash.decode_attention(*args, huge)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
