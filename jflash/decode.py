@@ -20,6 +20,7 @@ The visibility rule is :func:`jflash.masks.decode_row_bounds`.  See
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ import numpy as np
 
 from jflash.backends import BACKENDS
 from jflash.backends.decode_base import DecodeCall
+from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
 from jflash.backends.decode_xla import XlaDecodeBackend
 
 Array = jax.Array
@@ -45,10 +47,13 @@ past 16 tokens a call is a prefill chunk, which
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
-DECODE_BACKENDS: dict[str, Any] = {"xla": XlaDecodeBackend()}
+DECODE_BACKENDS: dict[str, Any] = {"xla": XlaDecodeBackend(),
+                                   "mosaic_tpu": MosaicTpuDecodeBackend()}
 """Decode backends by name.  The names of :data:`jflash.BACKENDS` without a
-decode kernel yet (``mosaic_gpu``, ``mosaic_tpu``, ``cudnn``) decline with
-``NotImplementedError``."""
+decode kernel yet (``mosaic_gpu``, ``cudnn``) decline with
+``NotImplementedError``.  ``implementation=None`` runs ``xla``: the
+``mosaic_tpu`` kernel is verified in interpret mode only and is taken when
+named."""
 
 
 # --------------------------------------------------------------- validation
@@ -296,6 +301,7 @@ def decode_attention(
     logits_soft_cap: float | None = None,
     implementation: str | Sequence[str] | Any | None = None,
     return_residual: bool = False,
+    interpret: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Attention of ``T`` new tokens per sequence against a key/value cache.
 
@@ -329,13 +335,17 @@ def decode_attention(
       read.
     logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
       scaling.
-    implementation: None (the best decode backend; today ``"xla"`` on every
-      platform), a backend name, a decode backend object (such as
+    implementation: None (``"xla"`` on every platform for now), a backend
+      name, a decode backend object (such as
       ``jflash.backends.decode_xla.XlaDecodeBackend(XlaDecodeConfig(...))``)
-      or a sequence of those tried in order; ``"mosaic_gpu"``,
-      ``"mosaic_tpu"`` and ``"cudnn"`` have no decode kernel yet and
+      or a sequence of those tried in order.  ``"mosaic_tpu"`` is the
+      Pallas TPU kernel (on a TPU, or anywhere with ``interpret=True``);
+      ``"mosaic_gpu"`` and ``"cudnn"`` have no decode kernel yet and
       decline.
     return_residual: also return the logsumexp.
+    interpret: run Pallas kernels in Pallas's interpret mode, which works on
+      the CPU (slow; for verification): ``mosaic_tpu`` serves it, ``xla``
+      has no Pallas kernels and runs as usual.
 
   Returns:
     ``out [B, T, N, H]`` in the query dtype, or ``(out, logsumexp [B, T,
@@ -351,9 +361,11 @@ def decode_attention(
   call = _canonical_call(query, key_cache, value_cache, lengths, block_table,
                          scale, local_window_size, logits_soft_cap)
   backends = _requested(implementation)
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise ValueError(f"return_residual must be a bool, got "
-                     f"{return_residual!r}")
+  for flag, name in ((return_residual, "return_residual"),
+                     (interpret, "interpret")):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"{name} must be a bool, got {flag!r}")
+  call = dataclasses.replace(call, interpret=bool(interpret))
   batch, num_new, num_heads, _ = call.query.shape
   if batch == 0 or num_heads == 0:
     out = jnp.zeros(call.query.shape, call.dtype)

@@ -13,6 +13,7 @@ import pytest
 
 import jflash
 from jflash import masks, reference
+from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
 from jflash.backends.decode_xla import XlaDecodeBackend, XlaDecodeConfig
 from tests._support import (fresh_rng, lse_err, plain_attention, random_normal,
                             rel_err)
@@ -68,11 +69,11 @@ class Problem:
                            jnp.asarray(self.visibility),
                            1 / np.sqrt(self.query.shape[-1]), self.cap)
 
-  def decode(self, paged: bool, backend=None, jit=True):
+  def decode(self, paged: bool, backend=None, jit=True, interpret=False):
     fn = functools.partial(
         jflash.decode_attention, local_window_size=self.window,
         logits_soft_cap=self.cap, implementation=backend,
-        return_residual=True)
+        return_residual=True, interpret=interpret)
     if paged:
       run = lambda q, k, v, n, t: fn(q, k, v, n, block_table=t)
       args = (self.query, self.key_pages, self.value_pages, self.lengths,
@@ -123,9 +124,11 @@ def make_problem(rng, *, batch=4, num_new=1, heads=(4, 2), head_dim=16,
   return problem
 
 
-def backend(chunk_size: int, num_splits: int | None):
-  return XlaDecodeBackend(XlaDecodeConfig(chunk_size=chunk_size,
-                                          num_splits=num_splits))
+def backend(chunk_size: int, num_splits: int | None, kind: str = "xla"):
+  config = XlaDecodeConfig(chunk_size=chunk_size, num_splits=num_splits)
+  if kind == "mosaic_tpu":
+    return MosaicTpuDecodeBackend(config)
+  return XlaDecodeBackend(config)
 
 
 def check_against_reference(problem: Problem, out, lse, info: str):
@@ -209,15 +212,57 @@ def test_reruns_are_bitwise_identical():
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(runs[0][1]))
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_slots_and_pages_no_query_sees_are_never_used(paged):
+# (T, paged, heads, window, soft cap, dtype): the Pallas TPU kernel in
+# interpret mode; one grid step per page (page size 4) or per 8 slots.
+TPU_CASES = [
+    (1, True, (8, 2), (5, 0), None, jnp.float32),
+    (2, False, (4, 1), None, 3.0, jnp.float32),
+    (7, True, (4, 2), (9, 2), 4.0, jnp.bfloat16),
+    (16, True, (3, 3), None, None, jnp.float16),
+    (16, False, (4, 2), (20, 0), 5.0, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: (
+    f"T{c[0]}-{'paged' if c[1] else 'contig'}-N{c[2][0]}K{c[2][1]}"
+    f"-w{c[3]}-cap{c[4]}-{jnp.dtype(c[5]).name}"))
+def test_mosaic_tpu_kernel_in_interpret_mode(case):
+  num_new, paged, heads, window, cap, dtype = case
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=num_new, heads=heads, window=window,
+                         cap=cap, page_size=4 if paged else None,
+                         dtype=dtype)
+  out, lse = problem.decode(paged, backend(8, 2, "mosaic_tpu"),
+                            interpret=True)
+  check_against_reference(problem, out, lse,
+                          f"{case} lengths={problem.lengths}")
+
+
+def test_mosaic_tpu_declines_off_tpu_without_interpret():
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=1)
+  args = (problem.query, problem.key, problem.value, problem.lengths)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(NotImplementedError, match="interpret"):
+      jflash.decode_attention(*args, implementation="mosaic_tpu")
+  got = jflash.decode_attention(*args, implementation=["mosaic_tpu", "xla"])
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(jflash.decode_attention(*args)))
+
+
+@pytest.mark.parametrize("paged,kind", [(False, "xla"), (True, "xla"),
+                                        (True, "mosaic_tpu")])
+def test_slots_and_pages_no_query_sees_are_never_used(paged, kind):
   """NaN in every slot no new token sees (past the length, before the
   window) and junk table entries leave the result bitwise unchanged."""
   rng = fresh_rng()
   window = (5, 0)
   problem = make_problem(rng, num_new=2, heads=(4, 2), window=window,
                          page_size=4 if paged else None)
-  clean = problem.decode(paged, backend(8, 2))
+  run = functools.partial(Problem.decode, paged=paged,
+                          backend=backend(8, 2, kind),
+                          interpret=kind == "mosaic_tpu")
+  clean = run(problem)
   seen = problem.visibility[:, 0].any(1)  # [B, S]
   poison = lambda x: jnp.where(jnp.asarray(seen)[..., None, None], x,
                                jnp.nan)
@@ -236,7 +281,7 @@ def test_slots_and_pages_no_query_sees_are_never_used(paged):
       v_pages = v_pages.at[table[b, j]].set(dirty.value[b, block])
     dirty = dataclasses.replace(dirty, table=table, key_pages=k_pages,
                                 value_pages=v_pages)
-  got = dirty.decode(paged, backend(8, 2))
+  got = run(dirty)
   for g, c in zip(got, clean):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
 
@@ -321,7 +366,7 @@ def test_implementation_choice():
   want = jflash.decode_attention(*args)
   with pytest.raises(NotImplementedError, match="mosaic_gpu"):
     jflash.decode_attention(*args, implementation="mosaic_gpu")
-  got = jflash.decode_attention(*args, implementation=["mosaic_tpu", "xla"])
+  got = jflash.decode_attention(*args, implementation=["cudnn", "xla"])
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match="implementation"):
     jflash.decode_attention(*args, implementation="nope")

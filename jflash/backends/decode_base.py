@@ -37,6 +37,8 @@ class DecodeCall:
     logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, or None.
     window: ``(left, right)`` or None: query at position ``p`` sees slots
       ``p - left .. p`` (the right side cannot reach past ``p``).
+    interpret: run Pallas kernels through the Pallas interpreter (on the
+      CPU); a backend without kernels (``xla``) is unaffected.
   """
 
   query: Array
@@ -49,6 +51,8 @@ class DecodeCall:
       metadata=dict(static=True))
   window: tuple[int, int] | None = dataclasses.field(
       metadata=dict(static=True))
+  interpret: bool = dataclasses.field(default=False,
+                                      metadata=dict(static=True))
 
   @property
   def paged(self) -> bool:

@@ -159,7 +159,7 @@ class _ChunkReader:
     return call.key[ids].reshape(shape), call.value[ids].reshape(shape)
 
 
-def _group_rows(query: Array, kv_heads: int) -> Array:
+def group_rows(query: Array, kv_heads: int) -> Array:
   """``[B, T, N, H]`` -> ``[B, K, G * T, H]`` (row ``g * T + t``; query head
   ``n = k * G + g`` reads key/value head ``k``)."""
   b, t, n, h = query.shape
@@ -167,7 +167,7 @@ def _group_rows(query: Array, kv_heads: int) -> Array:
   return jnp.transpose(q, (0, 2, 3, 1, 4)).reshape(b, kv_heads, -1, h)
 
 
-def _ungroup_rows(x: Array, num_new: int) -> Array:
+def ungroup_rows(x: Array, num_new: int) -> Array:
   """``[B, K, G * T, ...]`` -> ``[B, T, N, ...]``."""
   b, k, rows = x.shape[:3]
   x = x.reshape(b, k, rows // num_new, num_new, *x.shape[3:])
@@ -252,13 +252,13 @@ def decode_forward(call: DecodeCall, plan: _Plan) -> tuple[Array, Array]:
   num_needed = jnp.where(end > first, (end - 1) // plan.chunk - first_chunk + 1,
                          0)
   reader = _ChunkReader(call, plan.chunk, first, end)
-  q_rows = _group_rows(call.query, call.key.shape[2])
+  q_rows = group_rows(call.query, call.key.shape[2])
   partial = functools.partial(_split_partial, call, plan, q_rows, reader,
                               first_chunk, num_needed)
   m, l, acc = jax.vmap(partial)(jnp.arange(plan.num_splits, dtype=jnp.int32))
   out, lse = merge_partials(m, l, acc)
-  return (_ungroup_rows(out, num_new).astype(call.dtype),
-          _ungroup_rows(lse, num_new).astype(jnp.float32))
+  return (ungroup_rows(out, num_new).astype(call.dtype),
+          ungroup_rows(lse, num_new).astype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
