@@ -470,3 +470,26 @@ def test_lengths_of_any_integer_type_and_past_the_capacity():
   huge = np.array([0, 2**40, 1, 9], np.int64)
   got = jflash.decode_attention(*args, huge)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_tpu_kernel_lowers_for_tpu(paged, monkeypatch):
+  """Exported for a TPU from this host, the kernel passes Pallas's TPU
+  lowering (block shapes Mosaic accepts, scalar-prefetched index maps)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  batch, num_new, heads, kv_heads, head_dim = 2, 3, 8, 2, 128
+  spec = jax.ShapeDtypeStruct
+  cache = spec((10, 16, kv_heads, head_dim) if paged
+               else (batch, 64, kv_heads, head_dim), jnp.bfloat16)
+  args = [spec((batch, num_new, heads, head_dim), jnp.bfloat16), cache,
+          cache, spec((batch,), jnp.int32)]
+  if paged:
+    args.append(spec((batch, 4), jnp.int32))
+
+  def run(q, k, v, lengths, table=None):
+    return jflash.decode_attention(q, k, v, lengths, block_table=table,
+                                   local_window_size=(20, 0),
+                                   implementation="mosaic_tpu")
+
+  exported = jax.export.export(jax.jit(run), platforms=["tpu"])(*args)
+  assert "jflash_mosaic_tpu_decode" in exported.mlir_module()

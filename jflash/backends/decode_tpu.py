@@ -14,9 +14,13 @@ block, which the pipeline does not fetch again, and compute nothing.  Each
 split writes its unnormalized ``(m, l, acc)``; the splits are merged
 exactly, in split order, by :func:`jflash.backends.decode_xla.merge_partials`.
 
-Verified in Pallas's interpret mode on the CPU only; never run on a TPU.
-On a TPU the blocks ``[page_size, H]`` of the cache's ``[P, page_size, K,
-H]`` layout need ``page_size`` a multiple of 8 and ``H`` of 128.
+The cache is read as ``[P, page_size, K * H]`` (a free reshape of ``[P,
+page_size, K, H]``); a cell's block is head ``k``'s ``[chunk, H]`` slab.
+Verified in Pallas's interpret mode on the CPU, and exported for a TPU
+from the CPU (Pallas's TPU lowering accepts it); never run on a TPU.  On
+a TPU, Mosaic's block rule asks ``H`` to be a multiple of 128 when
+``K > 1`` and a contiguous chunk to be a multiple of 8 slots; other calls
+are declined there.
 """
 
 from __future__ import annotations
@@ -78,13 +82,13 @@ def _kv_index(st: _Static, b, k, s, j, *scalars):
   r = dict(zip(_SCALAR_NAMES[:len(scalars)], scalars))
   c = _chunk_of(st, r, b, s, j)
   if not st.paged:
-    return b, c, k, 0
+    return b, c, k
   column = jnp.clip(c, 0, st.max_pages - 1)
   page = r["table"][b, column]
   # A range-less sequence or a bad entry reads page 0 (its slots are masked).
   page = jnp.where((r["num_needed"][b] > 0) & (page >= 0)
                    & (page < st.num_pages), page, 0)
-  return page, 0, k, 0
+  return page, 0, k
 
 
 _SCALAR_NAMES = ("lengths", "first_chunk", "num_needed", "table")
@@ -159,13 +163,17 @@ def _run(call: DecodeCall, st: _Static, num_splits: int, scalars: dict,
   head_dim = q.shape[-1]
   rows = st.rows
   kv_map = functools.partial(_kv_index, st)
-  kv_block = ((None, st.chunk, None, head_dim))
+  # The cache viewed as [P|B, page_size|S, K * H] (a free reshape): block k
+  # of the last axis is head k's [chunk, H] slab, so one grid cell copies
+  # exactly one head's chunk.
+  key, value = (x.reshape(x.shape[:2] + (-1,)) for x in (call.key, call.value))
+  kv_block = (None, st.chunk, head_dim)
   split_map = lambda b, k, s, j, *_: (b, k, s, 0, 0)
   in_specs = [pl.BlockSpec((None, None, rows, head_dim),
                            lambda b, k, s, j, *_: (b, k, 0, 0)),
               pl.BlockSpec(kv_block, kv_map), pl.BlockSpec(kv_block, kv_map)]
   stats = (batch, kv_heads, num_splits, rows, LANES)
-  arrays = (*scalars.values(), q, call.key, call.value)
+  arrays = (*scalars.values(), q, key, value)
   out_shape = [varying_result(stats, jnp.float32, arrays),
                varying_result(stats, jnp.float32, arrays),
                varying_result(stats[:-1] + (head_dim,), jnp.float32, arrays)]
@@ -209,10 +217,12 @@ class MosaicTpuDecodeBackend:
     if call.dtype not in _DTYPES:
       raise NotImplementedError(f"{self.name} decode serves float32, "
                                 f"bfloat16 and float16, got {call.dtype}")
-    if not call.interpret and jax.default_backend() != "tpu":
-      raise NotImplementedError(
-          f"{self.name} decode runs on a TPU; pass interpret=True to run it "
-          "in Pallas's interpret mode")
+    if not call.interpret:
+      if jax.default_backend() != "tpu":
+        raise NotImplementedError(
+            f"{self.name} decode runs on a TPU; pass interpret=True to run "
+            "it in Pallas's interpret mode")
+      self._check_tpu_blocks(call)
     chunk_size = call.page_size if call.paged else self.config.chunk_size
     plan = make_plan(call, dataclasses.replace(self.config,
                                                chunk_size=chunk_size))
@@ -245,3 +255,18 @@ class MosaicTpuDecodeBackend:
     out, lse = out[:, :, :groups * num_new], lse[:, :, :groups * num_new]
     return (ungroup_rows(out, num_new).astype(call.dtype),
             ungroup_rows(lse, num_new).astype(jnp.float32))
+
+  def _check_tpu_blocks(self, call: DecodeCall) -> None:
+    """Mosaic's block rule: a block's last two dims are multiples of (8,
+    128) or whole.  A head's slab of the ``K * H`` lanes is whole only for
+    ``K == 1``; a contiguous chunk is whole only when it spans ``S``."""
+    kv_heads, head_dim = call.key.shape[2:]
+    if kv_heads > 1 and head_dim % LANES:
+      raise NotImplementedError(
+          f"{self.name} decode on a TPU needs the head dim to be a multiple "
+          f"of {LANES} with several key/value heads, got H={head_dim}")
+    chunk = min(self.config.chunk_size, call.capacity)
+    if not call.paged and chunk % SUBLANES and chunk != call.capacity:
+      raise NotImplementedError(
+          f"{self.name} decode on a TPU needs chunk_size={chunk} to be a "
+          f"multiple of {SUBLANES} or the whole cache S={call.capacity}")
