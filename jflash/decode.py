@@ -269,23 +269,19 @@ def _first_that_serves(backends: tuple[Any, ...],
       + "; ".join(reasons))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _inference(backends: tuple[Any, ...], call: DecodeCall):
+  """The backends' result; any derivative (forward or reverse mode, which
+  goes through this rule) raises."""
   return _first_that_serves(backends, call)
 
 
-def _inference_fwd(backends, call):
-  return _first_that_serves(backends, call), None
-
-
-def _inference_bwd(backends, residuals, cotangents):
+@_inference.defjvp
+def _no_derivative(backends, primals, tangents):
   raise NotImplementedError(
       "jflash.decode_attention is inference-only and has no derivative; "
       "differentiate jflash.dot_product_attention (with "
       "key_value_seq_lengths and is_causal) instead")
-
-
-_inference.defvjp(_inference_fwd, _inference_bwd)
 
 
 # ------------------------------------------------------------------- public
@@ -337,7 +333,7 @@ def decode_attention(
       scaling.
     implementation: None (``"xla"`` on every platform for now), a backend
       name, a decode backend object (such as
-      ``jflash.backends.decode_xla.XlaDecodeBackend(XlaDecodeConfig(...))``)
+      ``jflash.backends.decode_xla.XlaDecodeBackend(DecodeConfig(...))``)
       or a sequence of those tried in order.  ``"mosaic_tpu"`` is the
       Pallas TPU kernel (on a TPU, or anywhere with ``interpret=True``);
       ``"mosaic_gpu"`` and ``"cudnn"`` have no decode kernel yet and
@@ -352,7 +348,8 @@ def decode_attention(
     N] float32)`` with ``return_residual`` (float32 whatever the inputs, so
     that results over several caches can be merged exactly).
 
-  Decoding is inference: any derivative raises ``NotImplementedError``.
+  Decoding is inference: any derivative (``jax.grad``, ``jax.jvp``)
+  raises ``NotImplementedError``.
 
   Raises:
     ValueError: an argument is invalid; the message names it.

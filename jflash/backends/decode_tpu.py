@@ -37,7 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jflash import masks
 from jflash.backends.base import varying_result
 from jflash.backends.decode_base import DecodeCall
-from jflash.backends.decode_xla import (XlaDecodeConfig, group_rows,
+from jflash.backends.decode_xla import (DecodeConfig, group_rows,
                                         make_plan, merge_partials,
                                         ungroup_rows)
 
@@ -66,6 +66,7 @@ class _Static:
   scale: float
   soft_cap: float | None
   paged: bool
+  float32_products: bool  # DecodeConfig(matmul_inputs="float32")
   num_pages: int
   max_pages: int
 
@@ -133,6 +134,8 @@ def _step(r: dict, st: _Static, b, s, j) -> None:
   slots = c * st.chunk + lax.broadcasted_iota(jnp.int32, (1, st.chunk), 1)
   vis = _row_visibility(st, r["lengths"][b], slots)
   q, k, v = r["q"][...], r["k"][...], r["v"][...]
+  if st.float32_products:
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   # Values of slots no row sees are zeroed: they may hold anything.
   v = jnp.where(vis.any(0)[:, None], v, jnp.zeros((), v.dtype))
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -206,11 +209,12 @@ class MosaicTpuDecodeBackend:
   ``interpret=True``; declines (``NotImplementedError``) other platforms
   without ``interpret`` and float64.  One grid step reads one page of a
   paged cache, or ``config.chunk_size`` slots of a contiguous one;
-  ``config.num_splits`` / ``parallelism`` split the key range as in the
-  ``xla`` decode backend.
+  ``config.num_splits`` / ``parallelism`` split the key range and
+  ``config.matmul_inputs`` picks the product operands as in the ``xla``
+  decode backend.
   """
 
-  config: XlaDecodeConfig = XlaDecodeConfig(chunk_size=128)
+  config: DecodeConfig = DecodeConfig(chunk_size=128)
   name: str = "mosaic_tpu"
 
   def __call__(self, call: DecodeCall) -> tuple[Array, Array]:
@@ -246,6 +250,7 @@ class MosaicTpuDecodeBackend:
                  steps=plan.per_split, capacity=call.capacity,
                  window=call.window, scale=call.scale,
                  soft_cap=call.logits_soft_cap, paged=call.paged,
+                 float32_products=self.config.matmul_inputs == "float32",
                  num_pages=call.key.shape[0],
                  max_pages=(call.block_table.shape[1] if call.paged else 0))
     q = group_rows(call.query, kv_heads)

@@ -43,8 +43,9 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaDecodeConfig:
-  """Tiling of the ``xla`` decode backend.
+class DecodeConfig:
+  """Tiling of the decode backends (``xla``, and ``mosaic_tpu`` where its
+  grid steps read one page each).
 
   Attributes:
     chunk_size: cache slots per chunk (a paged cache rounds it down to a
@@ -66,14 +67,14 @@ class XlaDecodeConfig:
 
   def __post_init__(self):
     if self.matmul_inputs not in ("auto", "float32"):
-      raise ValueError("XlaDecodeConfig.matmul_inputs must be 'auto' or "
+      raise ValueError("DecodeConfig.matmul_inputs must be 'auto' or "
                        f"'float32', got {self.matmul_inputs!r}")
     for name in ("chunk_size", "num_splits", "parallelism"):
       value = getattr(self, name)
       if name == "num_splits" and value is None:
         continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"XlaDecodeConfig.{name} must be a positive int, "
+        raise ValueError(f"DecodeConfig.{name} must be a positive int, "
                          f"got {value!r}")
 
 
@@ -89,7 +90,7 @@ class _Plan:
   matmul_dtype: np.dtype
 
 
-def make_plan(call: DecodeCall, config: XlaDecodeConfig) -> _Plan:
+def make_plan(call: DecodeCall, config: DecodeConfig) -> _Plan:
   """Chunking and splitting for one call's shapes."""
   batch, num_new, _, _ = call.query.shape
   kv_heads = call.key.shape[2]
@@ -265,7 +266,7 @@ def decode_forward(call: DecodeCall, plan: _Plan) -> tuple[Array, Array]:
 class XlaDecodeBackend:
   """Serves every valid decode call on every platform."""
 
-  config: XlaDecodeConfig = XlaDecodeConfig()
+  config: DecodeConfig = DecodeConfig()
   name: str = "xla"
 
   def __call__(self, call: DecodeCall) -> tuple[Array, Array]:
