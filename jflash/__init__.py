@@ -2,10 +2,12 @@
 
 from jflash.attention import dot_product_attention, selected_implementation
 from jflash.backends import BACKENDS, default_order
+from jflash.decode import append_to_cache, append_to_pages, decode_attention
 from jflash.parallel import ContextParallel, load_balance, restore_order
 
 __version__ = "0.1.0"
 
 __all__ = ["dot_product_attention", "selected_implementation", "BACKENDS",
+           "decode_attention", "append_to_pages", "append_to_cache",
            "ContextParallel", "default_order", "load_balance", "restore_order",
            "__version__"]

@@ -77,7 +77,9 @@ def row_bounds(q_idx: Array, *, q_len: int, kv_len: int, is_causal: bool,
   and comparisons against scalars), so that kernels can apply the same rule
   to position arrays in their own register layouts.  ``q_length`` and
   ``kv_length`` are this batch row's lengths (scalars or arrays that
-  broadcast against ``q_idx``), or None; the offsets are scalars or None.
+  broadcast against ``q_idx``), or None; the offsets are scalars, arrays
+  that broadcast against ``q_idx`` (one offset per batch row, as decoding
+  needs: see :func:`decode_row_bounds`), or None.
   """
   # The query's global position in local key coordinates; the arithmetic
   # below never leaves int32 for positions and window sides below 2**30.
@@ -326,6 +328,88 @@ def key_visibility_at(position: Array | int, kv_len: int, *,
   mask = AttentionMask(batch=1, q_len=kv_len, kv_len=kv_len,
                        is_causal=is_causal, window=window)
   return mask.block_visibility(position, 1, 0, kv_len)[0, 0, 0]
+
+
+# ------------------------------------------------------------------ decode
+def decode_row_bounds(lengths: Array, num_new: int, *, kv_len: int,
+                      window: tuple[int, int] | None
+                      ) -> tuple[Array, Array]:
+  """Visible cache intervals of ``num_new`` new queries per sequence.
+
+  Decoding appends ``T = num_new`` tokens to a cache of ``kv_len`` slots;
+  ``lengths[b]`` counts the valid slots of sequence ``b`` *including* the
+  ``T`` new ones, so new query ``t`` stands at position
+  ``p = lengths[b] - T + t`` and sees slots ``s`` with
+  ``max(p - left, 0) <= s <= p`` (causal within the new block; the right
+  side of ``window`` never reaches past ``p``).  A query whose position is
+  negative (``lengths[b] < T - t``) sees nothing.  This is the causal rule
+  of :func:`row_bounds` with a per-row query offset ``lengths - T`` and key
+  lengths ``lengths``.
+
+  Args:
+    lengths: int ``[B]``, each in ``[0, kv_len]``.
+    num_new: ``T``, static.
+    kv_len: cache capacity ``S``, static.
+    window: ``(left, right)`` or None.
+
+  Returns:
+    int32 ``(lo, hi)`` ``[B, T]``: query ``t`` sees ``lo <= s < hi``;
+    ``hi <= lo`` for a query that sees nothing.
+  """
+  lengths = jnp.asarray(lengths, jnp.int32)[:, None]
+  t = jnp.arange(num_new, dtype=jnp.int32)[None, :]
+  if window is not None:
+    # A side at least kv_len hides nothing; clamping keeps int32 sums.
+    window = (min(int(window[0]), kv_len), min(int(window[1]), kv_len))
+  lo, hi = row_bounds(t, q_len=num_new, kv_len=kv_len, is_causal=True,
+                      window=window, kv_length=lengths,
+                      q_offset=lengths - num_new)
+  return jnp.broadcast_arrays(lo, hi)
+
+
+def decode_visibility(lengths: Array, num_new: int, key_positions: Array, *,
+                      kv_len: int,
+                      window: tuple[int, int] | None) -> Array:
+  """bool ``[B, T, C]``: whether new query ``t`` of sequence ``b`` sees the
+  cache slot at ``key_positions[b, c]`` (int32 ``[B, C]``, any slots, e.g.
+  one chunk or the pages of a block table); the rule of
+  :func:`decode_row_bounds`."""
+  lo, hi = decode_row_bounds(lengths, num_new, kv_len=kv_len, window=window)
+  pos = key_positions[:, None, :]
+  return (pos >= lo[..., None]) & (pos < hi[..., None])
+
+
+def decode_key_range(lengths: Array, num_new: int, *, kv_len: int,
+                     window: tuple[int, int] | None) -> tuple[Array, Array]:
+  """int32 ``(first, end)`` ``[B]``: the slots ``first <= s < end`` hold
+  every key some new query of sequence ``b`` sees (``first == end == 0``
+  when none sees any).  A decode kernel reads only these slots (with a
+  window, only the window's pages)."""
+  lo, hi = decode_row_bounds(lengths, num_new, kv_len=kv_len, window=window)
+  seen = hi > lo
+  any_seen = seen.any(-1)
+  first = jnp.min(jnp.where(seen, lo, kv_len), -1)
+  end = jnp.max(jnp.where(seen, hi, 0), -1)
+  return jnp.where(any_seen, first, 0), jnp.where(any_seen, end, 0)
+
+
+def decode_max_chunks(num_new: int, kv_len: int, chunk: int,
+                      window: tuple[int, int] | None) -> int:
+  """Static bound on the ``chunk``-slot chunks (chunk ``c`` holds slots
+  ``[c * chunk, (c + 1) * chunk)``) that :func:`decode_key_range` can
+  touch, whatever the lengths: all ``ceil(kv_len / chunk)`` without a
+  window; with one, ``T`` consecutive queries see at most ``T + left``
+  consecutive slots (see :func:`max_visited_blocks`)."""
+  if num_new < 1 or chunk < 1:
+    raise ValueError(f"num_new and chunk must be positive, got {num_new}, "
+                     f"{chunk}")
+  if kv_len == 0:
+    return 0
+  # The query block's position is per row, so the mask describes a block
+  # of a longer sequence (offsets): the window is not clamped to T.
+  mask = AttentionMask(batch=1, q_len=num_new, kv_len=kv_len, is_causal=True,
+                       window=window, has_offsets=True)
+  return max_visited_blocks(mask, num_new, chunk)[0]
 
 
 # ------------------------------------------------------------------- tiles

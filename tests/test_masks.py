@@ -260,3 +260,97 @@ def test_key_visibility_at_matches_rows_of_the_full_mask():
                                     want[position], err_msg=str(seed))
 
 
+
+
+def brute_decode_visibility(lengths, num_new, kv_len, window):
+  """``[B, T, S]``: new query t of row b stands at lengths[b] - T + t and
+  sees written slots up to its own position (and the window's left side)."""
+  out = np.zeros((len(lengths), num_new, kv_len), bool)
+  for b, length in enumerate(lengths):
+    for t in range(num_new):
+      p = int(length) - num_new + t
+      for s in range(kv_len):
+        ok = s <= p and s < length
+        if window is not None:
+          ok = ok and p - window[0] <= s <= p + window[1]
+        out[b, t, s] = ok
+  return out
+
+
+def _random_decode_problem(rng):
+  num_new = int(rng.choice([1, 2, 7, 16]))
+  kv_len = int(rng.integers(1, 40))
+  lengths = rng.integers(0, kv_len + 1, 4)
+  lengths[:2] = (0, kv_len)  # the ends: an empty cache and a full one
+  window = None
+  if rng.integers(0, 2):
+    window = (int(rng.integers(0, kv_len + 3)), int(rng.integers(0, 3)))
+  return num_new, kv_len, lengths.astype(np.int32), window
+
+
+def test_decode_row_bounds_and_visibility_match_brute_force():
+  rng, seed = _seeded()
+  for _ in range(6):
+    num_new, kv_len, lengths, window = _random_decode_problem(rng)
+    want = brute_decode_visibility(lengths, num_new, kv_len, window)
+    info = f"seed={seed} T={num_new} S={kv_len} L={lengths} w={window}"
+    lo, hi = masks.decode_row_bounds(jnp.asarray(lengths), num_new,
+                                     kv_len=kv_len, window=window)
+    s = np.arange(kv_len)
+    got = (s >= np.asarray(lo)[..., None]) & (s < np.asarray(hi)[..., None])
+    np.testing.assert_array_equal(got, want, err_msg=info)
+    # Any key positions, in any order, including past the cache.
+    positions = rng.integers(-2, kv_len + 2, (len(lengths), 9)).astype(
+        np.int32)
+    vis = np.asarray(masks.decode_visibility(
+        jnp.asarray(lengths), num_new, jnp.asarray(positions),
+        kv_len=kv_len, window=window))
+    padded = np.pad(want, ((0, 0), (0, 0), (2, 2)))
+    expect = np.take_along_axis(padded, positions[:, None, :] + 2, axis=2)
+    np.testing.assert_array_equal(vis, expect, err_msg=info)
+
+
+def test_decode_key_range_is_the_hull_of_visible_keys():
+  rng, seed = _seeded()
+  for _ in range(6):
+    num_new, kv_len, lengths, window = _random_decode_problem(rng)
+    vis = brute_decode_visibility(lengths, num_new, kv_len, window).any(1)
+    first, end = masks.decode_key_range(jnp.asarray(lengths), num_new,
+                                        kv_len=kv_len, window=window)
+    for b in range(len(lengths)):
+      seen = np.flatnonzero(vis[b])
+      want = (seen[0], seen[-1] + 1) if seen.size else (0, 0)
+      assert (int(first[b]), int(end[b])) == want, (seed, b, lengths, window)
+
+
+def test_decode_max_chunks_bounds_every_length():
+  rng, seed = _seeded()
+  for _ in range(6):
+    num_new, kv_len, _, window = _random_decode_problem(rng)
+    chunk = int(rng.integers(1, 9))
+    bound = masks.decode_max_chunks(num_new, kv_len, chunk, window)
+    lengths = np.arange(kv_len + 1, dtype=np.int32)
+    first, end = masks.decode_key_range(jnp.asarray(lengths), num_new,
+                                        kv_len=kv_len, window=window)
+    first, end = np.asarray(first), np.asarray(end)
+    touched = np.where(end > first, (end - 1) // chunk - first // chunk + 1,
+                       0)
+    assert touched.max() <= bound <= -(-kv_len // chunk), (seed, window)
+    if window is None:  # a full cache touches every chunk
+      assert touched.max() == bound
+
+
+def test_row_bounds_with_per_row_offsets_matches_each_row():
+  rng, seed = _seeded()
+  offsets = rng.integers(-5, 20, 3).astype(np.int32)
+  kv_lengths = rng.integers(0, 25, 3).astype(np.int32)
+  window = (int(rng.integers(0, 8)), int(rng.integers(0, 8)))
+  q_idx = jnp.arange(6, dtype=jnp.int32)[None]
+  kw = dict(q_len=6, kv_len=24, is_causal=True, window=window)
+  lo, hi = masks.row_bounds(q_idx, q_offset=jnp.asarray(offsets)[:, None],
+                            kv_length=jnp.asarray(kv_lengths)[:, None], **kw)
+  for b in range(3):
+    lo_b, hi_b = masks.row_bounds(q_idx[0], q_offset=jnp.int32(offsets[b]),
+                                  kv_length=jnp.int32(kv_lengths[b]), **kw)
+    np.testing.assert_array_equal(lo[b], lo_b, err_msg=str(seed))
+    np.testing.assert_array_equal(hi[b], hi_b, err_msg=str(seed))

@@ -7,21 +7,29 @@ step into the key/value cache, and the attention call itself (decode
 visibility, then :func:`jflash.flax.attention_fn`, which falls back to Flax's
 attention where jflash cannot serve the call).
 
-Decode steps express cache occupancy as ``key_value_seq_lengths`` (a dense
-mask row only for a local window, or when Flax's fallback runs) and match the
-non-decode causal output token by token.  A query row that sees no key
+Decode steps run :func:`jflash.decode_attention` with the cache occupancy
+as its lengths when nothing else shapes the call (no mask, segment ids or
+query lengths, key lengths only without a window, the default or ``xla``
+implementation, equal query and value head dims); otherwise they express
+occupancy as ``key_value_seq_lengths`` (a dense mask row only for a local
+window, or when Flax's fallback runs).  Both match the non-decode causal
+output token by token.  A query row that sees no key
 outputs zeros before the ``out`` projection (Flax: the mean of the values).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax.linen.dtypes import promote_dtype
 from jax import lax
 
 from jflash import masks
+from jflash.decode import decode_attention
 from jflash.flax.attention_fn import attention_fn, fallback_reason
 
 Array = jax.Array
@@ -105,6 +113,13 @@ def attend(
         deterministic=deterministic, module=module, precision=layer.precision,
         qk_attn_weights_einsum=qk_attn_weights_einsum,
         attn_weights_value_einsum=attn_weights_value_einsum)
+    if reason is None:
+      out = decode_step(layer, query, key, value, decode_index, mask=mask,
+                        segment_ids=segment_ids,
+                        query_seq_lengths=query_seq_lengths,
+                        key_value_seq_lengths=key_value_seq_lengths)
+      if out is not None:
+        return out
     mask, key_value_seq_lengths = decode_visibility(
         decode_index, key.shape[-3], key.shape[:-3], mask=mask,
         key_value_seq_lengths=key_value_seq_lengths,
@@ -124,6 +139,48 @@ def attend(
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=window,
       logits_soft_cap=layer.logits_soft_cap,
       implementation=layer.implementation)
+
+
+def decode_step(
+    layer: Any, query: Array, key: Array, value: Array, decode_index: Array,
+    *, mask: Array | None, segment_ids: Any, query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+) -> Array | None:
+  """One decode step through :func:`jflash.decode_attention`, or None when
+  the call needs more than it expresses (the caller then runs
+  :func:`jflash.flax.attention_fn` with :func:`decode_visibility`).
+
+  The single query ``[batch..., 1, N, H]`` stands at slot ``decode_index``
+  of the written cache ``[batch..., S, K, H]``: lengths ``decode_index +
+  1``, or the given key lengths when smaller (without a window the two
+  rules agree: the query sees ``s < min(decode_index + 1, length)``).
+  """
+  window = layer.local_window_size
+  kv_lengths = (None if key_value_seq_lengths is None
+                else np.asarray(key_value_seq_lengths)
+                if not isinstance(key_value_seq_lengths, jax.Array)
+                else key_value_seq_lengths)
+  batch_shape = query.shape[:-3]
+  if (mask is not None or segment_ids is not None
+      or query_seq_lengths is not None
+      or (kv_lengths is not None
+          and (window is not None or kv_lengths.shape != batch_shape
+               or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)))
+      or not (layer.implementation is None or layer.implementation == "xla")
+      or query.shape[-3] != 1 or value.shape[-1] != query.shape[-1]):
+    return None
+  query, key, value = promote_dtype(query, key, value, dtype=layer.dtype)
+  b = math.prod(batch_shape)
+  lengths = jnp.full((b,), decode_index + 1, jnp.int32)
+  if kv_lengths is not None:
+    lengths = jnp.minimum(lengths, jnp.asarray(kv_lengths).reshape(b).clip(
+        0, key.shape[-3]).astype(jnp.int32))
+  out = decode_attention(
+      query.reshape((b,) + query.shape[-3:]),
+      key.reshape((b,) + key.shape[-3:]),
+      value.reshape((b,) + value.shape[-3:]), lengths,
+      local_window_size=window, logits_soft_cap=layer.logits_soft_cap)
+  return out.reshape(batch_shape + out.shape[1:])
 
 
 def decode_visibility(

@@ -1,0 +1,273 @@
+"""The ``xla`` decode backend: split-K attention of a few new queries against
+a contiguous or paged cache, in pure JAX (the reference path everywhere).
+
+The work is laid out as the decode kernels lay it out:
+
+* **GQA grouping**: the ``G = N / K`` query heads of one key/value head and
+  the ``T`` new tokens become the ``G * T`` rows of one tile, so each cache
+  chunk is read once per key/value head, not once per query head.
+* **Split-K**: the cache is cut into chunks of ``C`` slots (a whole number
+  of pages when paged).  Only the chunks holding
+  :func:`jflash.masks.decode_key_range` (the slots some new query sees:
+  below the length, inside the window) are visited; their list is cut into
+  ``num_splits`` contiguous runs, each run an online softmax of its own
+  (vectorized over splits: on a GPU or TPU, independent workers), and the
+  partial results are merged exactly through their logsumexp, one split
+  after another in index order, so every run gives the same bits.
+* **Paged reads**: a chunk's pages are gathered through the block table;
+  table entries of pages outside the key range are never dereferenced
+  (page 0 is read in their place and masked), so they may hold anything.
+
+Cache slots outside the key range may hold anything, NaN included: their
+logits are masked and their values zeroed before the value product.
+Softmax and accumulation are float32 (float64 for float64 inputs);
+bfloat16/float16 tile products take operands in that dtype with float32
+accumulation, as the ``xla`` attention backend does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jflash import masks
+from jflash.backends.decode_base import DecodeCall
+
+Array = jax.Array
+_HIGHEST = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tiling of the decode backends (``xla``, and ``mosaic_tpu`` where its
+  grid steps read one page each).
+
+  Attributes:
+    chunk_size: cache slots per chunk (a paged cache rounds it down to a
+      whole number of pages, at least one).
+    num_splits: how many runs of chunks are computed independently and
+      merged; None picks ``ceil(parallelism / (B * K))``, so that the
+      ``B * K * num_splits`` independent tiles fill ``parallelism`` workers
+      even for a batch of one (capped by the chunks to visit).
+    parallelism: the workers that ``num_splits=None`` fills.  Every split
+      holds one gathered chunk at a time, ``B * C * K * H`` values each.
+    matmul_inputs: ``"auto"`` (bfloat16/float16 operands with float32
+      accumulation, float32 at ``Precision.HIGHEST``) or ``"float32"``.
+  """
+
+  chunk_size: int = 256
+  num_splits: int | None = None
+  parallelism: int = 16
+  matmul_inputs: str = "auto"
+
+  def __post_init__(self):
+    if self.matmul_inputs not in ("auto", "float32"):
+      raise ValueError("DecodeConfig.matmul_inputs must be 'auto' or "
+                       f"'float32', got {self.matmul_inputs!r}")
+    for name in ("chunk_size", "num_splits", "parallelism"):
+      value = getattr(self, name)
+      if name == "num_splits" and value is None:
+        continue
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DecodeConfig.{name} must be a positive int, "
+                         f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one call."""
+
+  chunk: int          # C, slots per chunk
+  num_chunks: int     # chunks any sequence may need (static bound)
+  num_splits: int
+  per_split: int      # chunks per split
+  compute_dtype: np.dtype
+  matmul_dtype: np.dtype
+
+
+def make_plan(call: DecodeCall, config: DecodeConfig) -> _Plan:
+  """Chunking and splitting for one call's shapes."""
+  batch, num_new, _, _ = call.query.shape
+  kv_heads = call.key.shape[2]
+  if call.paged:
+    chunk = call.page_size * max(1, config.chunk_size // call.page_size)
+  else:
+    chunk = max(1, min(config.chunk_size, call.capacity))
+  num_chunks = masks.decode_max_chunks(num_new, call.capacity, chunk,
+                                       call.window)
+  splits = config.num_splits
+  if splits is None:
+    splits = -(-config.parallelism // max(1, batch * kv_heads))
+  splits = max(1, min(splits, num_chunks))
+  per_split = -(-num_chunks // splits) if num_chunks else 0
+  splits = -(-num_chunks // per_split) if per_split else 1
+  compute = np.dtype(jnp.promote_types(call.dtype, jnp.float32))
+  low = call.dtype in (jnp.bfloat16, jnp.float16)
+  matmul = (np.dtype(call.dtype) if low and config.matmul_inputs == "auto"
+            else compute)
+  return _Plan(chunk, num_chunks, splits, per_split, compute, matmul)
+
+
+def _mm(plan: _Plan, subscripts: str, a: Array, b: Array) -> Array:
+  if plan.matmul_dtype == plan.compute_dtype:
+    return jnp.einsum(subscripts, a.astype(plan.compute_dtype),
+                      b.astype(plan.compute_dtype), precision=_HIGHEST)
+  return jnp.einsum(subscripts, a.astype(plan.matmul_dtype),
+                    b.astype(plan.matmul_dtype),
+                    preferred_element_type=plan.compute_dtype)
+
+
+class _ChunkReader:
+  """Reads chunk ``c[b]`` of every sequence ``b`` of the cache."""
+
+  def __init__(self, call: DecodeCall, chunk: int, first: Array,
+               end: Array):
+    self.call, self.chunk = call, chunk
+    self.first, self.end = first, end
+
+  def read(self, c: Array) -> tuple[Array, Array, Array]:
+    """``c`` int32 ``[B]`` -> ``(key, value [B, C, K, H], slots [B, C])``;
+    slots past the capacity are read from in-range ones (and hidden by
+    the mask)."""
+    slots = c[:, None] * self.chunk + jnp.arange(self.chunk, dtype=jnp.int32)
+    if self.call.paged:
+      return (*self._paged(c), slots)
+    batch_rows = jnp.arange(slots.shape[0], dtype=jnp.int32)[:, None]
+    index = jnp.clip(slots, 0, self.call.capacity - 1)
+    return (self.call.key[batch_rows, index],
+            self.call.value[batch_rows, index], slots)
+
+  def _paged(self, c: Array) -> tuple[Array, Array]:
+    call = self.call
+    page_size = call.page_size
+    num_pages, max_pages = call.key.shape[0], call.block_table.shape[1]
+    per_chunk = self.chunk // page_size
+    column = c[:, None] * per_chunk + jnp.arange(per_chunk, dtype=jnp.int32)
+    start = column * page_size
+    # Only pages that hold part of [first, end) are looked up; the others
+    # (and out-of-range entries) read page 0, whose slots the mask hides.
+    needed = ((column < max_pages) & (start < self.end[:, None])
+              & (start + page_size > self.first[:, None]))
+    ids = jnp.take_along_axis(call.block_table,
+                              jnp.clip(column, 0, max_pages - 1), axis=1)
+    ids = jnp.where(needed & (ids >= 0) & (ids < num_pages), ids, 0)
+    shape = (c.shape[0], self.chunk) + call.key.shape[2:]
+    return call.key[ids].reshape(shape), call.value[ids].reshape(shape)
+
+
+def group_rows(query: Array, kv_heads: int) -> Array:
+  """``[B, T, N, H]`` -> ``[B, K, G * T, H]`` (row ``g * T + t``; query head
+  ``n = k * G + g`` reads key/value head ``k``)."""
+  b, t, n, h = query.shape
+  q = query.reshape(b, t, kv_heads, n // kv_heads, h)
+  return jnp.transpose(q, (0, 2, 3, 1, 4)).reshape(b, kv_heads, -1, h)
+
+
+def ungroup_rows(x: Array, num_new: int) -> Array:
+  """``[B, K, G * T, ...]`` -> ``[B, T, N, ...]``."""
+  b, k, rows = x.shape[:3]
+  x = x.reshape(b, k, rows // num_new, num_new, *x.shape[3:])
+  x = jnp.moveaxis(x, 3, 1)  # [B, T, K, G, ...]
+  return x.reshape(b, num_new, rows // num_new * k, *x.shape[4:])
+
+
+def _split_partial(call: DecodeCall, plan: _Plan, q_rows: Array,
+                   reader: _ChunkReader, first_chunk: Array,
+                   num_needed: Array, split: Array):
+  """Online softmax over the chunks of one split: ``(m, l, acc)`` with
+  ``m, l [B, K, R]`` and ``acc [B, K, R, H]`` (unnormalized)."""
+  num_new, kv_len = call.num_new, call.capacity
+  groups = q_rows.shape[2] // num_new
+  scale = jnp.asarray(call.scale, plan.compute_dtype)
+
+  def body(j, carry):
+    m, l, acc = carry
+    c = first_chunk + split * plan.per_split + j
+    k, v, slots = reader.read(c)
+    vis = masks.decode_visibility(call.lengths, num_new, slots,
+                                  kv_len=kv_len, window=call.window)
+    # Values of slots no query sees are zeroed: they may hold anything.
+    used = vis.any(1)[:, :, None, None]
+    v = jnp.where(used, v, jnp.zeros((), v.dtype))
+    s = _mm(plan, "bkrh,bckh->bkrc", q_rows, k) * scale
+    if call.logits_soft_cap is not None:
+      cap = jnp.asarray(call.logits_soft_cap, s.dtype)
+      s = cap * jnp.tanh(s / cap)
+    rows_vis = jnp.tile(vis, (1, groups, 1))[:, None]  # [B, 1, G*T, C]
+    s = jnp.where(rows_vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + p.sum(-1)
+    acc = alpha[..., None] * acc + _mm(plan, "bkrc,bckh->bkrh", p, v)
+    return m_new, l, acc
+
+  acc0 = jnp.zeros(q_rows.shape, plan.compute_dtype)
+  init = (jnp.full(acc0.shape[:-1], -jnp.inf, plan.compute_dtype),
+          jnp.zeros(acc0.shape[:-1], plan.compute_dtype), acc0)
+  # Chunks past every sequence's key range are not visited at all.
+  trip = jnp.clip(num_needed.max() - split * plan.per_split, 0,
+                  plan.per_split)
+  return lax.fori_loop(0, trip, body, init)
+
+
+def merge_partials(m: Array, l: Array, acc: Array) -> tuple[Array, Array]:
+  """Exact merge of split results (leading split axis) through their
+  logsumexp, folded in split order (a fixed order: deterministic).
+
+  Returns ``(out [..., H], lse [...])``; rows no split saw give zeros and
+  ``-inf``."""
+  seen = l > 0
+  lse_parts = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+  out_parts = acc / jnp.where(seen, l, 1.0)[..., None]
+
+  def fold(carry, part):
+    out, lse = carry
+    out_p, lse_p = part
+    new = jnp.logaddexp(lse, lse_p)
+    safe = jnp.where(jnp.isneginf(new), 0.0, new)
+    out = (out * jnp.exp(lse - safe)[..., None]
+           + out_p * jnp.exp(lse_p - safe)[..., None])
+    return (out, new), None
+
+  init = (jnp.zeros_like(out_parts[0]), jnp.full_like(lse_parts[0], -jnp.inf))
+  (out, lse), _ = lax.scan(fold, init, (out_parts, lse_parts))
+  return out, lse
+
+
+def decode_forward(call: DecodeCall, plan: _Plan) -> tuple[Array, Array]:
+  """``(out [B, T, N, H] in the query dtype, lse [B, T, N] float32)``."""
+  batch, num_new, num_heads, head_dim = call.query.shape
+  if plan.num_chunks == 0:
+    return (jnp.zeros(call.query.shape, call.dtype),
+            jnp.full((batch, num_new, num_heads), -jnp.inf, jnp.float32))
+  first, end = masks.decode_key_range(call.lengths, num_new,
+                                      kv_len=call.capacity, window=call.window)
+  first_chunk = first // plan.chunk
+  num_needed = jnp.where(end > first, (end - 1) // plan.chunk - first_chunk + 1,
+                         0)
+  reader = _ChunkReader(call, plan.chunk, first, end)
+  q_rows = group_rows(call.query, call.key.shape[2])
+  partial = functools.partial(_split_partial, call, plan, q_rows, reader,
+                              first_chunk, num_needed)
+  m, l, acc = jax.vmap(partial)(jnp.arange(plan.num_splits, dtype=jnp.int32))
+  out, lse = merge_partials(m, l, acc)
+  return (ungroup_rows(out, num_new).astype(call.dtype),
+          ungroup_rows(lse, num_new).astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaDecodeBackend:
+  """Serves every valid decode call on every platform."""
+
+  config: DecodeConfig = DecodeConfig()
+  name: str = "xla"
+
+  def __call__(self, call: DecodeCall) -> tuple[Array, Array]:
+    return decode_forward(call, make_plan(call, self.config))

@@ -1,0 +1,469 @@
+"""``jflash.decode_attention`` and the cache writes that go with it.
+
+Decoding appends ``T`` new tokens (one, a speculative draft, a small chunk)
+to each sequence's key/value cache and attends from their queries to the
+cache.  One integer array ``lengths [B]`` describes the cache *after* the
+append, for the writes and for the attention alike: sequence ``b`` holds
+``lengths[b]`` valid slots, the last ``T`` of them the new tokens, so new
+token ``t`` stands at position ``lengths[b] - T + t``.  A generation step
+is therefore::
+
+    lengths = lengths + T
+    k_pages, v_pages = jflash.append_to_pages(k_pages, v_pages, block_table,
+                                              lengths, new_k, new_v)
+    out = jflash.decode_attention(q, k_pages, v_pages, lengths,
+                                  block_table=block_table)
+
+The visibility rule is :func:`jflash.masks.decode_row_bounds`.  See
+``docs/decode.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflash.backends import BACKENDS
+from jflash.backends.decode_base import DecodeCall
+from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
+from jflash.backends.decode_xla import XlaDecodeBackend
+
+Array = jax.Array
+ArrayLike = jax.typing.ArrayLike
+
+MAX_NEW_TOKENS = 16
+"""The most new tokens per sequence a decode call takes.  The decode
+kernels hold the ``G * T`` rows of one key/value head (``G`` query heads
+per key/value head) in one tile and read the cache once for all of them;
+past 16 tokens a call is a prefill chunk, which
+:func:`jflash.dot_product_attention`'s tiled kernels serve better."""
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+DECODE_BACKENDS: dict[str, Any] = {"xla": XlaDecodeBackend(),
+                                   "mosaic_tpu": MosaicTpuDecodeBackend()}
+"""Decode backends by name.  The names of :data:`jflash.BACKENDS` without a
+decode kernel yet (``mosaic_gpu``, ``cudnn``) decline with
+``NotImplementedError``.  ``implementation=None`` runs ``xla``: the
+``mosaic_tpu`` kernel is verified in interpret mode only and is taken when
+named."""
+
+
+# --------------------------------------------------------------- validation
+def _describe(x: Any) -> str:
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  if shape is None:
+    return f"{type(x).__name__} {x!r}"
+  return f"shape {tuple(shape)} dtype {dtype}"
+
+
+def _array(x: Any, name: str) -> Array:
+  try:
+    return jnp.asarray(x)
+  except TypeError as err:
+    raise ValueError(f"{name} must be an array, got {_describe(x)}") from err
+
+
+def _floating(x: Any, name: str, layout: str | None = None) -> Array:
+  """A floating array; 4-D (``layout``) when a layout is given."""
+  x = _array(x, name)
+  if x.dtype not in _FLOAT_DTYPES:
+    raise ValueError(f"{name} must have a floating dtype (float16, bfloat16, "
+                     f"float32 or float64), got {_describe(x)}")
+  if layout is not None and x.ndim != 4:
+    raise ValueError(f"{name} must be {layout}, got {_describe(x)}")
+  return x
+
+
+def _int32(x: Any, name: str, shape: tuple[int, ...], layout: str,
+           upper: int) -> Array:
+  """An integer array of ``shape`` as int32; values of a wider dtype are
+  clipped to ``[0, upper]`` first (every meaningful value lies there)."""
+  if not isinstance(x, jax.Array):
+    try:
+      x = np.asarray(x)
+    except (TypeError, ValueError) as err:
+      raise ValueError(f"{name} must be an integer array, got "
+                       f"{_describe(x)}") from err
+  if not np.issubdtype(x.dtype, np.integer):
+    raise ValueError(f"{name} must have an integer dtype, got "
+                     f"{_describe(x)}")
+  if tuple(x.shape) != shape:
+    raise ValueError(f"{name} must have shape {layout} = {shape}, got "
+                     f"{_describe(x)}")
+  if np.can_cast(x.dtype, np.int32, casting="safe"):
+    return jnp.asarray(x).astype(jnp.int32)
+  if isinstance(x, np.ndarray):  # on the host: jnp.asarray may narrow first
+    return jnp.asarray(np.clip(x, -1, upper).astype(np.int32))
+  return jnp.clip(x, -1, upper).astype(jnp.int32)
+
+
+def _float_constant(x: Any, name: str, dtype) -> float:
+  try:
+    value = float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError) as err:
+    raise ValueError(f"{name} must be a Python number (it is part of the "
+                     f"compiled computation), got {_describe(x)}") from err
+  limit = float(np.finfo(dtype).max) / 2
+  if not math.isfinite(value) or abs(value) > limit:
+    raise ValueError(f"{name} must be finite and at most {limit:.3g} in "
+                     f"magnitude, got {value!r}")
+  return value
+
+
+def _window(local_window_size: Any) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  sides = local_window_size
+  if not isinstance(sides, (tuple, list)):
+    sides = (sides, sides)
+  ok = len(sides) == 2 and all(
+      isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+      and w >= 0 for w in sides)
+  if not ok:
+    raise ValueError("local_window_size must be a non-negative int or a pair "
+                     f"of them (left, right), got {local_window_size!r}")
+  return int(sides[0]), int(sides[1])
+
+
+def _check_cache(query: Array, key: Array, value: Array,
+                 paged: bool) -> None:
+  layout = ("[P, page_size, K, H] (pages; block_table is given)" if paged
+            else "[B, S, K, H]")
+  for x, name in ((key, "key_cache"), (value, "value_cache")):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be {layout}, got {_describe(x)}")
+    if x.dtype != query.dtype:
+      raise ValueError(f"{name} must have the query's dtype {query.dtype}, "
+                       f"got {_describe(x)}")
+  if key.shape != value.shape:
+    raise ValueError("key_cache and value_cache must have the same shape "
+                     f"{layout}, got {_describe(key)} and {_describe(value)}")
+  batch, _, num_heads, head_dim = query.shape
+  if not paged and key.shape[0] != batch:
+    raise ValueError(f"key_cache batch {key.shape[0]} must match the query "
+                     f"batch {batch} (query {_describe(query)})")
+  if paged and 0 in key.shape[:2]:
+    raise ValueError("key_cache must hold at least one page of at least one "
+                     f"slot [P, page_size, K, H], got {_describe(key)}")
+  if key.shape[3] != head_dim:
+    raise ValueError(f"key_cache head dim {key.shape[3]} must match the "
+                     f"query head dim {head_dim}")
+  kv_heads = key.shape[2]
+  if kv_heads == 0 or num_heads % kv_heads:
+    raise ValueError(f"query heads N={num_heads} must be a positive multiple "
+                     f"of key/value heads K={kv_heads}")
+
+
+def _canonical_call(query, key_cache, value_cache, lengths, block_table,
+                    scale, local_window_size, logits_soft_cap) -> DecodeCall:
+  """Validates every argument of :func:`decode_attention`."""
+  query = _floating(query, "query", "[B, T, N, H]")
+  batch, num_new, _, head_dim = query.shape
+  if not 1 <= num_new <= MAX_NEW_TOKENS:
+    raise ValueError(f"query must hold 1 to {MAX_NEW_TOKENS} new tokens per "
+                     f"sequence (T), got T={num_new} ({_describe(query)}); "
+                     "longer blocks are prefill: use "
+                     "jflash.dot_product_attention")
+  if head_dim == 0:
+    raise ValueError(f"query head dim H must be positive, got "
+                     f"{_describe(query)}")
+  key_cache = _floating(key_cache, "key_cache")
+  value_cache = _floating(value_cache, "value_cache")
+  paged = block_table is not None
+  _check_cache(query, key_cache, value_cache, paged)
+  if paged:
+    num_pages = key_cache.shape[0]
+    table = _array_like_table(block_table, batch, num_pages)
+    capacity = table.shape[1] * key_cache.shape[1]
+  else:
+    table, capacity = None, key_cache.shape[1]
+  lengths = _int32(lengths, "lengths", (batch,), "[B]", capacity)
+  # Lengths past the capacity are clipped so that reads stay in the cache.
+  lengths = jnp.clip(lengths, 0, capacity)
+  compute = np.dtype(jnp.promote_types(query.dtype, jnp.float32))
+  scale_value = (1.0 / math.sqrt(head_dim) if scale is None
+                 else _float_constant(scale, "scale", compute))
+  cap = None
+  if logits_soft_cap is not None:
+    cap = _float_constant(logits_soft_cap, "logits_soft_cap", compute)
+    if cap < float(np.finfo(compute).tiny):
+      raise ValueError("logits_soft_cap must be positive, got "
+                       f"{logits_soft_cap!r}")
+  return DecodeCall(query, key_cache, value_cache, lengths, table,
+                    scale=scale_value, logits_soft_cap=cap,
+                    window=_window(local_window_size))
+
+
+def _array_like_table(block_table: Any, batch: int | None,
+                      num_pages: int) -> Array:
+  """int32 ``[B, max_pages]`` (any ``B`` when ``batch`` is None)."""
+  table = block_table
+  if not isinstance(table, jax.Array):
+    try:
+      table = np.asarray(table)
+    except (TypeError, ValueError) as err:
+      raise ValueError("block_table must be an integer array [B, max_pages], "
+                       f"got {_describe(block_table)}") from err
+  if table.ndim != 2 or batch not in (None, table.shape[0]):
+    expected = "[B, max_pages]" + ("" if batch is None else f" with B={batch}")
+    raise ValueError(f"block_table must have shape {expected}, got "
+                     f"{_describe(table)}")
+  return _int32(table, "block_table", tuple(table.shape), "[B, max_pages]",
+                num_pages)
+
+
+# ----------------------------------------------------------------- dispatch
+class _NoDecodeKernel:
+  """A backend name of :data:`jflash.BACKENDS` without a decode kernel."""
+
+  def __init__(self, name: str):
+    self.name = name
+
+  def __call__(self, call: DecodeCall):
+    raise NotImplementedError(f"{self.name} has no decode kernel yet; the "
+                              "'xla' decode backend serves every call")
+
+
+def _requested(implementation: Any) -> tuple[Any, ...]:
+  if implementation is None:
+    return (DECODE_BACKENDS["xla"],)
+  entries = (implementation if isinstance(implementation, Sequence)
+             and not isinstance(implementation, str) else (implementation,))
+  result = []
+  for entry in entries:
+    if isinstance(entry, str) and entry in DECODE_BACKENDS:
+      result.append(DECODE_BACKENDS[entry])
+    elif isinstance(entry, str) and entry in BACKENDS:
+      result.append(_NoDecodeKernel(entry))
+    elif (not isinstance(entry, str) and callable(entry)
+          and isinstance(getattr(entry, "name", None), str)):
+      result.append(entry)
+    else:
+      raise ValueError("implementation must be None, a backend name "
+                       f"({sorted(set(DECODE_BACKENDS) | set(BACKENDS))}), a "
+                       "decode backend object or a non-empty sequence of "
+                       f"those, got {implementation!r}")
+  if not result:
+    raise ValueError("implementation must not be an empty sequence")
+  return tuple(result)
+
+
+def _first_that_serves(backends: tuple[Any, ...],
+                       call: DecodeCall) -> tuple[Array, Array]:
+  reasons = []
+  for backend in backends:
+    try:
+      return backend(call)
+    except NotImplementedError as err:
+      reasons.append(f"{backend.name}: {err}")
+  raise NotImplementedError(
+      f"no requested decode backend serves {call.shape_description}: "
+      + "; ".join(reasons))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _inference(backends: tuple[Any, ...], call: DecodeCall):
+  """The backends' result; any derivative (forward or reverse mode, which
+  goes through this rule) raises."""
+  return _first_that_serves(backends, call)
+
+
+@_inference.defjvp
+def _no_derivative(backends, primals, tangents):
+  raise NotImplementedError(
+      "jflash.decode_attention is inference-only and has no derivative; "
+      "differentiate jflash.dot_product_attention (with "
+      "key_value_seq_lengths and is_causal) instead")
+
+
+# ------------------------------------------------------------------- public
+def decode_attention(
+    query: ArrayLike,
+    key_cache: ArrayLike,
+    value_cache: ArrayLike,
+    lengths: ArrayLike,
+    *,
+    block_table: ArrayLike | None = None,
+    scale: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | Sequence[str] | Any | None = None,
+    return_residual: bool = False,
+    interpret: bool = False,
+) -> Array | tuple[Array, Array]:
+  """Attention of ``T`` new tokens per sequence against a key/value cache.
+
+  Shapes: ``B`` sequences, ``T`` new tokens each (1 to
+  :data:`MAX_NEW_TOKENS`), ``N`` query heads, ``K`` key/value heads
+  (``N % K == 0``: GQA, MQA when ``K == 1``), ``H`` head dim, ``S`` cache
+  slots per sequence.
+
+  Args:
+    query: ``[B, T, N, H]``, the new tokens' queries.
+    key_cache, value_cache: ``[B, S, K, H]``, or with ``block_table`` pages
+      ``[P, page_size, K, H]`` (``S = max_pages * page_size``); same dtype
+      as ``query``.  The new tokens' keys and values must already be
+      written (:func:`append_to_pages`, :func:`append_to_cache`).
+    lengths: int ``[B]``: valid cache slots of each sequence, the ``T`` new
+      tokens included.  New token ``t`` stands at position
+      ``lengths[b] - T + t`` and sees the slots from ``0`` (or its window's
+      left edge) up to its own position: causal within the new block.
+      Slots at or past ``lengths[b]`` are never seen and may hold anything.
+      Values are clipped to ``[0, S]``; a token whose position is negative
+      (``lengths[b] < T``, e.g. 0) sees nothing: zeros, logsumexp ``-inf``.
+    block_table: int ``[B, max_pages]`` or None: slot ``s`` of sequence
+      ``b`` lives in row ``s % page_size`` of page ``block_table[b, s //
+      page_size]``.  Entries of pages that hold no slot a new token sees
+      are never dereferenced and may hold anything (-1, stale ids); the
+      others must be in ``[0, P)``.
+    scale: multiplies ``query . key``; default ``1 / sqrt(H)``.
+    local_window_size: ``left`` or ``(left, right)``: the token at position
+      ``p`` sees slots ``p - left .. p`` (the right side cannot reach past
+      ``p``: the cache holds no later tokens).  Only the window's pages are
+      read.
+    logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
+      scaling.
+    implementation: None (``"xla"`` on every platform for now), a backend
+      name, a decode backend object (such as
+      ``jflash.backends.decode_xla.XlaDecodeBackend(DecodeConfig(...))``)
+      or a sequence of those tried in order.  ``"mosaic_tpu"`` is the
+      Pallas TPU kernel (on a TPU, or anywhere with ``interpret=True``);
+      ``"mosaic_gpu"`` and ``"cudnn"`` have no decode kernel yet and
+      decline.
+    return_residual: also return the logsumexp.
+    interpret: run Pallas kernels in Pallas's interpret mode, which works on
+      the CPU (slow; for verification): ``mosaic_tpu`` serves it, ``xla``
+      has no Pallas kernels and runs as usual.
+
+  Returns:
+    ``out [B, T, N, H]`` in the query dtype, or ``(out, logsumexp [B, T,
+    N] float32)`` with ``return_residual`` (float32 whatever the inputs, so
+    that results over several caches can be merged exactly).
+
+  Decoding is inference: any derivative (``jax.grad``, ``jax.jvp``)
+  raises ``NotImplementedError``.
+
+  Raises:
+    ValueError: an argument is invalid; the message names it.
+    NotImplementedError: no requested backend serves the call.
+  """
+  call = _canonical_call(query, key_cache, value_cache, lengths, block_table,
+                         scale, local_window_size, logits_soft_cap)
+  backends = _requested(implementation)
+  for flag, name in ((return_residual, "return_residual"),
+                     (interpret, "interpret")):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"{name} must be a bool, got {flag!r}")
+  call = dataclasses.replace(call, interpret=bool(interpret))
+  batch, num_new, num_heads, _ = call.query.shape
+  if batch == 0 or num_heads == 0:
+    out = jnp.zeros(call.query.shape, call.dtype)
+    lse = jnp.full((batch, num_new, num_heads), -jnp.inf, jnp.float32)
+  else:
+    out, lse = _inference(backends, call)
+  return (out, lse) if return_residual else out
+
+
+def _new_tokens(new_key: Any, new_value: Any, cache: Array,
+                batch: int) -> tuple[Array, Array]:
+  """Validated ``new_key`` / ``new_value`` ``[B, T, K, H]``."""
+  new_key = _floating(new_key, "new_key", "[B, T, K, H]")
+  new_value = _floating(new_value, "new_value", "[B, T, K, H]")
+  if new_key.shape != new_value.shape:
+    raise ValueError("new_key and new_value must have the same shape [B, T, "
+                     f"K, H], got {_describe(new_key)} and "
+                     f"{_describe(new_value)}")
+  want = (batch, new_key.shape[1]) + tuple(cache.shape[2:])
+  if new_key.shape != want:
+    raise ValueError(f"new_key must have shape [B, T, K, H] = [{batch}, T, "
+                     f"{cache.shape[2]}, {cache.shape[3]}] (the cache's heads "
+                     f"and head dim), got {_describe(new_key)}")
+  for x, name in ((new_key, "new_key"), (new_value, "new_value")):
+    if x.dtype != cache.dtype:
+      raise ValueError(f"{name} must have the cache's dtype {cache.dtype}, "
+                       f"got {_describe(x)}")
+  return new_key, new_value
+
+
+def _caches(key: Any, value: Any, layout: str) -> tuple[Array, Array]:
+  key = _floating(key, "key_cache" if "S" in layout else "key_pages", layout)
+  value = _floating(value, "value_cache" if "S" in layout else "value_pages",
+                    layout)
+  if key.shape != value.shape or key.dtype != value.dtype:
+    raise ValueError(f"the key and value caches must have the same shape "
+                     f"{layout} and dtype, got {_describe(key)} and "
+                     f"{_describe(value)}")
+  return key, value
+
+
+def append_to_pages(key_pages: ArrayLike, value_pages: ArrayLike,
+                    block_table: ArrayLike, lengths: ArrayLike,
+                    new_key: ArrayLike,
+                    new_value: ArrayLike) -> tuple[Array, Array]:
+  """Writes ``T`` new tokens' keys and values into a paged cache.
+
+  Args:
+    key_pages, value_pages: ``[P, page_size, K, H]``.
+    block_table: int ``[B, max_pages]`` (see :func:`decode_attention`).
+    lengths: int ``[B]``: each sequence's length *after* the append (the
+      array :func:`decode_attention` then takes): new token ``t`` goes to
+      position ``lengths[b] - T + t``.
+    new_key, new_value: ``[B, T, K, H]``, the pages' dtype.
+
+  Returns:
+    The updated ``(key_pages, value_pages)``.  Pure: under ``jax.jit`` with
+    the pages donated (``donate_argnums``) XLA updates them in place.
+    Tokens whose position is negative or past ``max_pages * page_size``,
+    or whose table entry is outside ``[0, P)``, are not written.  Two
+    sequences whose tables share a page must not write the same slot (which
+    write lands is unspecified).
+  """
+  key_pages, value_pages = _caches(key_pages, value_pages,
+                                   "[P, page_size, K, H]")
+  if 0 in key_pages.shape[:2]:
+    raise ValueError("key_pages must hold at least one page of at least one "
+                     f"slot [P, page_size, K, H], got {_describe(key_pages)}")
+  num_pages, page_size = key_pages.shape[:2]
+  table = _array_like_table(block_table, None, num_pages)
+  batch, capacity = table.shape[0], table.shape[1] * page_size
+  lengths = _int32(lengths, "lengths", (batch,), "[B]", capacity)
+  new_key, new_value = _new_tokens(new_key, new_value, key_pages, batch)
+  num_new = new_key.shape[1]
+  position = lengths[:, None] - num_new + jnp.arange(num_new, dtype=jnp.int32)
+  valid = (position >= 0) & (position < capacity)
+  column = jnp.clip(position // page_size, 0, table.shape[1] - 1)
+  page = jnp.take_along_axis(table, column, axis=1)
+  valid = valid & (page >= 0) & (page < num_pages)
+  # An out-of-range page index makes the scatter drop that write.
+  page = jnp.where(valid, page, num_pages)
+  slot = jnp.where(valid, position % page_size, 0)
+  return (key_pages.at[page, slot].set(new_key, mode="drop"),
+          value_pages.at[page, slot].set(new_value, mode="drop"))
+
+
+def append_to_cache(key_cache: ArrayLike, value_cache: ArrayLike,
+                    lengths: ArrayLike, new_key: ArrayLike,
+                    new_value: ArrayLike) -> tuple[Array, Array]:
+  """:func:`append_to_pages` for a contiguous cache ``[B, S, K, H]``: new
+  token ``t`` of sequence ``b`` goes to slot ``lengths[b] - T + t``
+  (``lengths`` after the append); tokens outside ``[0, S)`` are not
+  written."""
+  key_cache, value_cache = _caches(key_cache, value_cache, "[B, S, K, H]")
+  batch, capacity = key_cache.shape[:2]
+  lengths = _int32(lengths, "lengths", (batch,), "[B]", capacity)
+  new_key, new_value = _new_tokens(new_key, new_value, key_cache, batch)
+  num_new = new_key.shape[1]
+  position = lengths[:, None] - num_new + jnp.arange(num_new, dtype=jnp.int32)
+  position = jnp.where((position >= 0) & (position < capacity), position,
+                       capacity)
+  rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  return (key_cache.at[rows, position].set(new_key, mode="drop"),
+          value_cache.at[rows, position].set(new_value, mode="drop"))

@@ -1,0 +1,544 @@
+"""jflash.decode_attention and the cache writes against the exact reference
+on the equivalent full mask, written independently here."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+from jflash import masks, reference
+from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
+from jflash.backends.decode_xla import XlaDecodeBackend, DecodeConfig
+from tests._support import (fresh_rng, lse_err, plain_attention, random_normal,
+                            rel_err)
+
+F32_TOL = 1e-5
+LOW_PRECISION_FLOOR = 2e-3
+
+
+def brute_visibility(lengths, num_new, capacity, window):
+  """``[B, 1, T, S]``: new token t of row b stands at lengths[b] - T + t and
+  sees written slots up to its own position, within the window."""
+  vis = np.zeros((len(lengths), 1, num_new, capacity), bool)
+  for b, length in enumerate(lengths):
+    for t in range(num_new):
+      p = int(length) - num_new + t
+      lo = 0 if window is None else p - window[0]
+      vis[b, 0, t, max(lo, 0):max(min(p + 1, length), 0)] = True
+  return vis
+
+
+@dataclasses.dataclass
+class Problem:
+  """A decode call with its contiguous cache and, when paged, the same
+  cache as shuffled pages."""
+
+  query: jax.Array
+  key: jax.Array            # [B, S, K, H]
+  value: jax.Array
+  lengths: np.ndarray
+  window: tuple[int, int] | None
+  cap: float | None
+  table: np.ndarray | None = None
+  key_pages: jax.Array | None = None
+  value_pages: jax.Array | None = None
+
+  @property
+  def visibility(self) -> np.ndarray:
+    return brute_visibility(self.lengths, self.query.shape[1],
+                            self.key.shape[1], self.window)
+
+  def reference(self):
+    mask = masks.AttentionMask(
+        batch=self.query.shape[0], q_len=self.query.shape[1],
+        kv_len=self.key.shape[1], dense=jnp.asarray(self.visibility))
+    return reference.reference_attention(
+        self.query, self.key, self.value, None, mask,
+        scale=1 / np.sqrt(self.query.shape[-1]),
+        logits_soft_cap=self.cap, compute_dtype=jnp.float32)
+
+  def plain(self):
+    """Same-dtype materialized attention: the error baseline."""
+    return plain_attention(self.query, self.key, self.value, None,
+                           jnp.asarray(self.visibility),
+                           1 / np.sqrt(self.query.shape[-1]), self.cap)
+
+  def decode(self, paged: bool, backend=None, jit=True, interpret=False):
+    fn = functools.partial(
+        jflash.decode_attention, local_window_size=self.window,
+        logits_soft_cap=self.cap, implementation=backend,
+        return_residual=True, interpret=interpret)
+    if paged:
+      run = lambda q, k, v, n, t: fn(q, k, v, n, block_table=t)
+      args = (self.query, self.key_pages, self.value_pages, self.lengths,
+              self.table)
+    else:
+      run = lambda q, k, v, n: fn(q, k, v, n)
+      args = (self.query, self.key, self.value, self.lengths)
+    return (jax.jit(run) if jit else run)(*args)
+
+
+def paginate(rng, key: jax.Array, value: jax.Array, lengths, page_size: int,
+             extra_pages: int = 3):
+  """The caches ``[B, S, K, H]`` as pages in a random order, with spare
+  pages of noise; table entries of pages past a sequence's length point
+  anywhere (out of range included)."""
+  batch, capacity = key.shape[:2]
+  max_pages = capacity // page_size
+  num_pages = batch * max_pages + extra_pages
+  table = rng.permutation(num_pages)[:batch * max_pages].reshape(
+      batch, max_pages).astype(np.int32)
+  result = [table]
+  for cache in (key, value):
+    pages = random_normal(rng, (num_pages, page_size) + cache.shape[2:],
+                          cache.dtype)
+    blocks = cache.reshape(batch * max_pages, page_size, *cache.shape[2:])
+    result.append(pages.at[table.reshape(-1)].set(blocks))
+  for b in range(batch):
+    first_unused = -(-int(lengths[b]) // page_size)
+    table[b, first_unused:] = rng.integers(-5, num_pages + 5,
+                                           max_pages - first_unused)
+  return tuple(result)
+
+
+def make_problem(rng, *, batch=4, num_new=1, heads=(4, 2), head_dim=16,
+                 capacity=48, window=None, cap=None, page_size=None,
+                 dtype=jnp.float32) -> Problem:
+  num_heads, kv_heads = heads
+  lengths = rng.integers(0, capacity + 1, batch)
+  # The edges: an empty cache, a full one, one token short of T.
+  lengths[:3] = (0, capacity, max(num_new - 1, 0))
+  q = random_normal(rng, (batch, num_new, num_heads, head_dim), dtype)
+  k = random_normal(rng, (batch, capacity, kv_heads, head_dim), dtype)
+  v = random_normal(rng, (batch, capacity, kv_heads, head_dim), dtype)
+  problem = Problem(q, k, v, lengths.astype(np.int32), window, cap)
+  if page_size is not None:
+    problem.table, problem.key_pages, problem.value_pages = paginate(
+        rng, k, v, lengths, page_size)
+  return problem
+
+
+def backend(chunk_size: int, num_splits: int | None, kind: str = "xla"):
+  config = DecodeConfig(chunk_size=chunk_size, num_splits=num_splits)
+  if kind == "mosaic_tpu":
+    return MosaicTpuDecodeBackend(config)
+  return XlaDecodeBackend(config)
+
+
+def check_against_reference(problem: Problem, out, lse, info: str):
+  ref_out, ref_lse = problem.reference()
+  out32 = np.asarray(jnp.asarray(out, jnp.float32))
+  assert out.dtype == problem.query.dtype and lse.dtype == jnp.float32, info
+  assert not np.isnan(out32).any(), info
+  dead = np.isneginf(np.asarray(ref_lse))
+  assert np.all(out32[dead] == 0), info
+  if problem.query.dtype == jnp.float32:
+    bound = F32_TOL
+  else:
+    bound = 2 * rel_err(problem.plain(), ref_out) + LOW_PRECISION_FLOOR
+  assert rel_err(out, ref_out) <= bound, info
+  lse_tol = 1e-5 if problem.query.dtype == jnp.float32 else 2e-2
+  assert lse_err(lse, ref_lse) <= lse_tol * max(
+      1.0, float(np.max(np.abs(np.where(dead, 0, ref_lse))))), info
+
+
+# (T, paged, heads (N, K), window, soft cap, chunk, splits)
+CASES = [
+    (1, False, (4, 2), None, None, 8, None),
+    (1, True, (8, 2), (5, 0), None, 8, 2),
+    (2, True, (4, 1), (9, 3), 5.0, 16, None),
+    (2, False, (2, 2), None, 3.0, 8, 1),
+    (7, False, (4, 2), (6, 6), None, 8, 3),
+    (7, True, (3, 3), (2, 0), 4.0, 8, None),
+    (16, True, (4, 2), None, 2.0, 8, None),
+    (16, False, (4, 1), (20, 1), 5.0, 16, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: (
+    f"T{c[0]}-{'paged' if c[1] else 'contig'}-N{c[2][0]}K{c[2][1]}"
+    f"-w{c[3]}-cap{c[4]}-c{c[5]}s{c[6]}"))
+def test_matches_reference(case):
+  num_new, paged, heads, window, cap, chunk, splits = case
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=num_new, heads=heads, window=window,
+                         cap=cap, page_size=4 if paged else None)
+  out, lse = problem.decode(paged, backend(chunk, splits))
+  check_against_reference(problem, out, lse,
+                          f"{case} lengths={problem.lengths}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_low_precision_within_same_dtype_baseline(dtype, paged):
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=2, heads=(4, 2), window=(12, 0),
+                         cap=None, page_size=8 if paged else None,
+                         dtype=dtype)
+  out, lse = problem.decode(paged, backend(16, None))
+  check_against_reference(problem, out, lse, f"{dtype} paged={paged}")
+  # Float32 products: the reference rounded once to the dtype.
+  config = DecodeConfig(chunk_size=16, matmul_inputs="float32")
+  out, _ = problem.decode(paged, XlaDecodeBackend(config))
+  same = np.asarray(out == problem.reference()[0].astype(dtype))
+  assert same.mean() > 0.98, same.mean()
+
+
+def test_default_backend_and_split_counts_agree_with_reference():
+  """Every split count (one run up to one chunk per split) and the default
+  configuration give the reference result; auto splits fill the workers."""
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=3, heads=(4, 2), capacity=40,
+                         page_size=4)
+  for splits in (1, 4, 10):
+    out, lse = problem.decode(True, backend(4, splits))
+    check_against_reference(problem, out, lse, f"splits={splits}")
+  out, lse = problem.decode(True)
+  check_against_reference(problem, out, lse, "default")
+
+
+def test_reruns_are_bitwise_identical():
+  """No atomics and a fixed merge order: a compiled call gives the same bits
+  on every run (split results are merged in split order)."""
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=7, heads=(4, 2), page_size=4,
+                         window=(10, 0), cap=4.0)
+  runs = [problem.decode(True, backend(8, 3)) for _ in range(3)]
+  jax.clear_caches()  # and once more from a fresh compilation
+  runs.append(problem.decode(True, backend(8, 3)))
+  for out, lse in runs[1:]:
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(runs[0][0]))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(runs[0][1]))
+
+
+# (T, paged, heads, window, soft cap, dtype): the Pallas TPU kernel in
+# interpret mode; one grid step per page (page size 4) or per 8 slots.
+TPU_CASES = [
+    (1, True, (8, 2), (5, 0), None, jnp.float32),
+    (2, False, (4, 1), None, 3.0, jnp.float32),
+    (7, True, (4, 2), (9, 2), 4.0, jnp.bfloat16),
+    (16, True, (3, 3), None, None, jnp.float16),
+    (16, False, (4, 2), (20, 0), 5.0, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: (
+    f"T{c[0]}-{'paged' if c[1] else 'contig'}-N{c[2][0]}K{c[2][1]}"
+    f"-w{c[3]}-cap{c[4]}-{jnp.dtype(c[5]).name}"))
+def test_mosaic_tpu_kernel_in_interpret_mode(case):
+  num_new, paged, heads, window, cap, dtype = case
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=num_new, heads=heads, window=window,
+                         cap=cap, page_size=4 if paged else None,
+                         dtype=dtype)
+  out, lse = problem.decode(paged, backend(8, 2, "mosaic_tpu"),
+                            interpret=True)
+  check_against_reference(problem, out, lse,
+                          f"{case} lengths={problem.lengths}")
+  if dtype != jnp.float32:
+    # matmul_inputs="float32" keeps the probabilities in float32: the
+    # output is then the reference rounded once to the dtype (the default
+    # low-precision products miss that rounding in about a fifth of the
+    # entries).
+    config = DecodeConfig(chunk_size=8, num_splits=2,
+                          matmul_inputs="float32")
+    out, _ = problem.decode(paged, MosaicTpuDecodeBackend(config),
+                            interpret=True)
+    ref_out, _ = problem.reference()
+    same = np.asarray(out == ref_out.astype(dtype))
+    assert same.mean() > 0.98, (case, same.mean())
+
+
+def test_mosaic_tpu_declines_off_tpu_without_interpret():
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=1)
+  args = (problem.query, problem.key, problem.value, problem.lengths)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(NotImplementedError, match="interpret"):
+      jflash.decode_attention(*args, implementation="mosaic_tpu")
+  got = jflash.decode_attention(*args, implementation=["mosaic_tpu", "xla"])
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(jflash.decode_attention(*args)))
+
+
+@pytest.mark.parametrize("paged,kind", [(False, "xla"), (True, "xla"),
+                                        (True, "mosaic_tpu")])
+def test_slots_and_pages_no_query_sees_are_never_used(paged, kind):
+  """NaN in every slot no new token sees (past the length, before the
+  window) and junk table entries leave the result bitwise unchanged."""
+  rng = fresh_rng()
+  window = (5, 0)
+  problem = make_problem(rng, num_new=2, heads=(4, 2), window=window,
+                         page_size=4 if paged else None)
+  run = functools.partial(Problem.decode, paged=paged,
+                          backend=backend(8, 2, kind),
+                          interpret=kind == "mosaic_tpu")
+  clean = run(problem)
+  seen = problem.visibility[:, 0].any(1)  # [B, S]
+  poison = lambda x: jnp.where(jnp.asarray(seen)[..., None, None], x,
+                               jnp.nan)
+  dirty = dataclasses.replace(problem, key=poison(problem.key),
+                              value=poison(problem.value))
+  if paged:
+    page_size = problem.key_pages.shape[1]
+    pages_seen = seen.reshape(seen.shape[0], -1, page_size).any(-1)
+    table = problem.table.copy()
+    table[~pages_seen] = -1  # never dereferenced
+    nan_pages = jnp.full_like(problem.key_pages, jnp.nan)
+    k_pages, v_pages = nan_pages, nan_pages
+    for b, j in zip(*np.nonzero(pages_seen)):
+      block = slice(j * page_size, (j + 1) * page_size)
+      k_pages = k_pages.at[table[b, j]].set(dirty.key[b, block])
+      v_pages = v_pages.at[table[b, j]].set(dirty.value[b, block])
+    dirty = dataclasses.replace(dirty, table=table, key_pages=k_pages,
+                                value_pages=v_pages)
+  got = run(dirty)
+  for g, c in zip(got, clean):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+
+
+def test_append_then_decode_round_trip():
+  """Ragged sequences grown step by step (T = 7, 1, 2) through pages in a
+  random order and through a contiguous cache: same cache contents, same
+  decode result, equal to the reference on the whole history."""
+  rng = fresh_rng()
+  batch, heads, head_dim, page_size, max_pages = 3, (4, 2), 8, 4, 6
+  capacity = page_size * max_pages
+  num_pages = batch * max_pages + 2
+  table = rng.permutation(num_pages)[:batch * max_pages].reshape(
+      batch, max_pages).astype(np.int32)
+  shape = (num_pages, page_size, heads[1], head_dim)
+  k_pages, v_pages = jnp.zeros(shape), jnp.zeros(shape)
+  k_cache = jnp.zeros((batch, capacity, heads[1], head_dim))
+  v_cache = jnp.zeros_like(k_cache)
+  history_k = np.zeros((batch, capacity, heads[1], head_dim), np.float32)
+  history_v = np.zeros_like(history_k)
+  lengths = np.array([0, 3, 10], np.int32)
+  append_pages = jax.jit(jflash.append_to_pages, donate_argnums=(0, 1))
+  append_cache = jax.jit(jflash.append_to_cache)
+  for num_new in (7, 1, 2):
+    lengths = lengths + num_new
+    new_k = random_normal(rng, (batch, num_new) + shape[2:], jnp.float32)
+    new_v = random_normal(rng, (batch, num_new) + shape[2:], jnp.float32)
+    k_pages, v_pages = append_pages(k_pages, v_pages, table, lengths, new_k,
+                                    new_v)
+    k_cache, v_cache = append_cache(k_cache, v_cache, lengths, new_k, new_v)
+    for b in range(batch):
+      history_k[b, lengths[b] - num_new:lengths[b]] = new_k[b]
+      history_v[b, lengths[b] - num_new:lengths[b]] = new_v[b]
+    np.testing.assert_array_equal(np.asarray(k_cache), history_k)
+    np.testing.assert_array_equal(np.asarray(v_cache), history_v)
+    gathered = np.asarray(k_pages)[table].reshape(history_k.shape)
+    np.testing.assert_array_equal(gathered, history_k)
+    q = random_normal(rng, (batch, num_new, heads[0], head_dim), jnp.float32)
+    problem = Problem(q, jnp.asarray(history_k), jnp.asarray(history_v),
+                      lengths, None, None, table, k_pages, v_pages)
+    paged_out = problem.decode(True, backend(8, None))
+    contiguous_out = problem.decode(False, backend(8, None))
+    check_against_reference(problem, *paged_out, f"T={num_new}")
+    np.testing.assert_allclose(np.asarray(paged_out[0]),
+                               np.asarray(contiguous_out[0]), atol=1e-6)
+
+
+def test_append_drops_tokens_outside_the_cache():
+  """Lengths below T drop the tokens at negative positions; nothing else
+  moves."""
+  rng = fresh_rng()
+  cache = random_normal(rng, (2, 8, 1, 4), jnp.float32)
+  new = random_normal(rng, (2, 3, 1, 4), jnp.float32)
+  k, _ = jflash.append_to_cache(cache, cache, np.array([1, 8]), new, new)
+  want = np.asarray(cache).copy()
+  want[0, 0] = new[0, 2]
+  want[1, 5:8] = new[1]
+  np.testing.assert_array_equal(np.asarray(k), want)
+  table = np.array([[2, -1], [0, 1]], np.int32)  # row 0's second page unset
+  pages = random_normal(rng, (3, 4, 1, 4), jnp.float32)
+  k, _ = jflash.append_to_pages(pages, pages, table, np.array([6, 2]), new,
+                                new)
+  want = np.asarray(pages).copy()
+  want[2, 3] = new[0, 0]  # positions 3 (page 2), 4 and 5 (unset page)
+  want[0, 0:2] = new[1, 1:]
+  np.testing.assert_array_equal(np.asarray(k), want)
+
+
+def test_has_no_derivative():
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=1)
+  loss = lambda q: jflash.decode_attention(q, problem.key, problem.value,
+                                           problem.lengths).sum()
+  with pytest.raises(NotImplementedError, match="inference"):
+    jax.grad(loss)(problem.query)
+  with pytest.raises(NotImplementedError, match="inference"):
+    jax.jvp(loss, (problem.query,), (jnp.ones_like(problem.query),))
+  # Without a derivative asked for, a traced call inside jax.grad of
+  # something else is fine.
+  constant = jax.grad(lambda x: x * jax.lax.stop_gradient(
+      loss(problem.query)))(1.0)
+  np.testing.assert_allclose(constant, loss(problem.query), rtol=1e-6)
+
+
+def test_implementation_choice():
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=2)
+  args = (problem.query, problem.key, problem.value, problem.lengths)
+  want = jflash.decode_attention(*args)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+    jflash.decode_attention(*args, implementation="mosaic_gpu")
+  got = jflash.decode_attention(*args, implementation=["cudnn", "xla"])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="implementation"):
+    jflash.decode_attention(*args, implementation="nope")
+  empty = jflash.decode_attention(problem.query[:0], problem.key[:0],
+                                  problem.value[:0], problem.lengths[:0])
+  assert empty.shape == (0,) + problem.query.shape[1:]
+
+
+def _errors():
+  q = jnp.zeros((2, 1, 4, 8))
+  kv = jnp.zeros((2, 16, 2, 8))
+  pages = jnp.zeros((5, 4, 2, 8))
+  lengths = np.array([3, 4], np.int32)
+  table = np.zeros((2, 4), np.int32)
+  call = jflash.decode_attention
+  return [
+      (lambda: call(q[0], kv, kv, lengths), "query"),
+      (lambda: call(jnp.zeros((2, 17, 4, 8)), kv, kv, lengths), "T=17"),
+      (lambda: call(q.astype(jnp.int32), kv, kv, lengths), "query"),
+      (lambda: call(q, kv.astype(jnp.bfloat16), kv, lengths), "key_cache"),
+      (lambda: call(q, kv, kv[:, :8], lengths), "value_cache"),
+      (lambda: call(q, kv[:1], kv[:1], lengths), "batch"),
+      (lambda: call(q, kv[..., :4], kv[..., :4], lengths), "head dim"),
+      (lambda: call(jnp.zeros((2, 1, 3, 8)), kv, kv, lengths), "multiple"),
+      (lambda: call(q, kv, kv, lengths[:1]), "lengths"),
+      (lambda: call(q, kv, kv, lengths.astype(np.float32)), "lengths"),
+      (lambda: call(q, pages, pages, lengths, block_table=table[0]),
+       "block_table"),
+      (lambda: call(q, pages, pages, lengths,
+                    block_table=table.astype(np.float32)), "block_table"),
+      (lambda: call(q, pages[:, :0], pages[:, :0], lengths,
+                    block_table=table), "page"),
+      (lambda: call(q, kv, kv, lengths, scale=float("inf")), "scale"),
+      (lambda: call(q, kv, kv, lengths, logits_soft_cap=-1.0),
+       "logits_soft_cap"),
+      (lambda: call(q, kv, kv, lengths, local_window_size=-1),
+       "local_window_size"),
+      (lambda: call(q, kv, kv, lengths, local_window_size=(1, 2, 3)),
+       "local_window_size"),
+      (lambda: call(q, kv, kv, lengths, return_residual="yes"),
+       "return_residual"),
+      (lambda: jflash.append_to_pages(pages, pages, table, lengths,
+                                      jnp.zeros((2, 1, 3, 8)),
+                                      jnp.zeros((2, 1, 3, 8))), "new_key"),
+      (lambda: jflash.append_to_pages(pages, pages, table, lengths[:1],
+                                      kv[:, :1], kv[:, :1]), "lengths"),
+      (lambda: jflash.append_to_cache(kv, kv, lengths,
+                                      kv[:, :1].astype(jnp.float16),
+                                      kv[:, :1].astype(jnp.float16)),
+       "dtype"),
+      (lambda: jflash.append_to_cache(kv, pages, lengths, kv[:, :1],
+                                      kv[:, :1]), "same shape"),
+  ]
+
+
+@pytest.mark.parametrize("index", range(len(_errors())))
+def test_invalid_arguments_are_rejected(index):
+  fn, match = _errors()[index]
+  with pytest.raises(ValueError, match=match):
+    fn()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_flax_decode_steps_run_decode_attention(window, monkeypatch):
+  """The NNX module's decode=True steps go through decode_attention (GQA,
+  with and without a window) and match its causal forward token by token."""
+  from flax import nnx
+
+  from jflash.flax import common
+  from jflash.flax import nnx as jnnx
+  calls = []
+
+  def counting(*args, **kwargs):
+    calls.append(args[0].shape)
+    return jflash.decode_attention(*args, **kwargs)
+
+  monkeypatch.setattr(common, "decode_attention", counting)
+  rng = fresh_rng()
+  x = random_normal(rng, (2, 6, 16), jnp.float32)
+  module = jnnx.MultiHeadAttention(4, 16, num_kv_heads=2, decode=False,
+                                   local_window_size=window,
+                                   rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  want = module(x, is_causal=True)
+  module.init_cache(x.shape)
+  for t in range(x.shape[1]):
+    got = module(x[:, t:t + 1], decode=True)
+    assert rel_err(got[:, 0], want[:, t]) < 1e-5, t
+  assert calls == [(2, 1, 4, 4)] * x.shape[1]
+
+
+def test_lengths_of_any_integer_type_and_past_the_capacity():
+  """Python lists and int64 lengths beyond int32 read as the same values,
+  clipped to the capacity (a full cache)."""
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=2, capacity=16)
+  args = (problem.query, problem.key, problem.value)
+  lengths = [0, 16, 1, 9]
+  want = jflash.decode_attention(*args, np.array(lengths, np.int32))
+  got = jflash.decode_attention(*args, lengths)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  huge = np.array([0, 2**40, 1, 9], np.int64)
+  got = jflash.decode_attention(*args, huge)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_tpu_kernel_lowers_for_tpu(paged, monkeypatch):
+  """Exported for a TPU from this host, the kernel passes Pallas's TPU
+  lowering (block shapes Mosaic accepts, scalar-prefetched index maps)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  batch, num_new, heads, kv_heads, head_dim = 2, 3, 8, 2, 128
+  spec = jax.ShapeDtypeStruct
+  cache = spec((10, 16, kv_heads, head_dim) if paged
+               else (batch, 64, kv_heads, head_dim), jnp.bfloat16)
+  args = [spec((batch, num_new, heads, head_dim), jnp.bfloat16), cache,
+          cache, spec((batch,), jnp.int32)]
+  if paged:
+    args.append(spec((batch, 4), jnp.int32))
+
+  def run(q, k, v, lengths, table=None):
+    return jflash.decode_attention(q, k, v, lengths, block_table=table,
+                                   local_window_size=(20, 0),
+                                   implementation="mosaic_tpu")
+
+  exported = jax.export.export(jax.jit(run), platforms=["tpu"])(*args)
+  assert "jflash_mosaic_tpu_decode" in exported.mlir_module()
+
+
+def test_generation_example_matches_the_uncached_model():
+  """examples/generate_cached.py: prefill in chunks of 16 and 4 tokens,
+  then one token per step through shuffled pages, gives the logits of one
+  uncached forward pass and the same greedy tokens."""
+  from flax import nnx
+
+  from examples import generate_cached as example
+  from examples.model import Config, TransformerLM
+  rng = fresh_rng()
+  prompt_len, new_tokens = 20, 4
+  cfg = Config(vocab_size=32, seq_len=prompt_len + new_tokens, num_layers=1,
+               d_model=32, num_heads=2)
+  graphdef, state = nnx.split(TransformerLM(
+      cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30)))))
+  prompts = rng.integers(0, 32, (3, prompt_len)).astype(np.int32)
+  caches, table = example.empty_pages(cfg, 3, prompt_len + new_tokens, 8, rng)
+  tokens, logits = example.generate_cached(graphdef, state, prompts,
+                                           new_tokens, caches, table)
+  sequence = jnp.concatenate([jnp.asarray(prompts), tokens], axis=1)
+  full = nnx.merge(graphdef, state)(sequence)[:, prompt_len - 1:-1]
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(full), atol=1e-4)
+  np.testing.assert_array_equal(
+      np.asarray(tokens), np.asarray(jnp.argmax(full, -1)))
