@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -498,3 +499,43 @@ def test_context_parallel_calls_are_reverse_mode_only():
     jax.jvp(attend, (q, k, v), (q, k, v))
   with pytest.raises(NotImplementedError, match=r"jflash.*context-parallel"):
     jax.jit(lambda q: jax.jvp(attend, (q, k, v), (q, k, v)))(q)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
+@pytest.mark.parametrize("form", ["jit", "shard_map", "shard_map+checkpoint",
+                                  "shard_map+scan"])
+def test_reverse_mode_runs_the_forward_kernel_once(form):
+  """jax.grad with implementation=None, exported for a TPU from this host:
+  the TPU's program runs the forward kernel once, as the backend's own
+  custom_vjp does.  The per-platform call's backward pass recomputes the
+  forward on a platform other than the host's, so nothing of the forward
+  pass's own kernel may be kept as a residual when the value is unused."""
+  mesh = jax.make_mesh((4,), ("c",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:4])
+
+  def attend(q, k, v):
+    return jflash.dot_product_attention(q, k, v, is_causal=True)
+
+  def in_shard_map(fn):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("c"),) * 3,
+                                 out_specs=P("c")))
+
+  def scanned(q, k, v):
+    # The values are stacked outputs, not carried: none is needed by
+    # the backward pass.
+    return jax.lax.scan(lambda c, x: (c, attend(x, k, v)), 0.0,
+                        jnp.stack([q, 2.0 * q]))[1].sum(0)
+
+  fn, sharded = {
+      "jit": (jax.jit(attend), False),
+      "shard_map": (in_shard_map(attend), True),
+      "shard_map+checkpoint": (in_shard_map(jax.checkpoint(attend)), True),
+      "shard_map+scan": (in_shard_map(scanned), True)}[form]
+  spec = jax.ShapeDtypeStruct(
+      (4 if sharded else 1, 128, 2, 128), jnp.float32,
+      sharding=NamedSharding(mesh, P("c")) if sharded else None)
+  grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), (0, 1, 2)))
+  module = jax.export.export(grad, platforms=["tpu"])(
+      spec, spec, spec).mlir_module()
+  kernels = re.findall(r'kernel_name = "jflash_mosaic_tpu_(\w+)"', module)
+  assert sorted(kernels) == ["dkv", "dq", "forward"], kernels

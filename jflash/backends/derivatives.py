@@ -81,16 +81,40 @@ def differentiable(call: AttentionCall, serve: Serve,
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """Where the backward pass's residuals lie: the pullback's pytree, and
-  for each of its leaves an index into ``(*leaves, out, lse, *saved)``.
+  """Where the backward pass's residuals lie: the pullback's pytree;
+  ``outputs``, the positions in the forward pass's ``(out, lse, *saved)``
+  of those it reads; for each of the pullback's leaves an index into
+  ``(*leaves, *read)``, ``read`` being those outputs.
+
   Residuals that are the call's inputs or outputs are not saved again (a
   ``jax.jit``, ``lax.scan`` or ``shard_map`` boundary would otherwise keep
-  a second copy of them)."""
+  a second copy of them).  An output the pullback does not read (``out``
+  and ``lse`` of a per-platform call, whose backward pass recomputes them
+  on a platform other than the host's) is not an operand of the
+  derivative: as a residual of a ``jax.jit`` or ``shard_map`` it would
+  keep the forward kernel alive under ``jax.grad``, which the backward
+  pass then runs a second time."""
 
   tree: Any
+  outputs: tuple[int, ...]
   indices: tuple[int, ...]
 
+  @classmethod
+  def of(cls, tree: Any, num_leaves: int,
+         indices: Sequence[int]) -> "_Layout":
+    """The layout of a pullback whose leaves are ``indices`` into
+    ``(*leaves, out, lse, *saved)`` (``num_leaves`` leaves)."""
+    outputs = tuple(sorted({i - num_leaves for i in indices
+                            if i >= num_leaves}))
+    where = {num_leaves + j: num_leaves + k for k, j in enumerate(outputs)}
+    return cls(tree, outputs, tuple(where.get(i, i) for i in indices))
+
+  def read(self, outs: Sequence[Array]) -> list[Array]:
+    """The forward pass's outputs that the pullback reads."""
+    return [outs[j] for j in self.outputs]
+
   def pullback(self, pool: Sequence[Array]) -> Callable:
+    """The pullback from ``pool``, ``(*leaves, *read)``."""
     return jax.tree.unflatten(self.tree, [pool[i] for i in self.indices])
 
 
@@ -173,7 +197,7 @@ class _Derivatives:
           index = len(pool)
           pool.append(x)
         indices.append(index)
-      layouts.append(_Layout(tree, tuple(indices)))
+      layouts.append(_Layout.of(tree, len(leaves), indices))
       return (*outs, *pool[len(leaves) + 2:])
 
     def jvp(primals, tangents, rebind):
@@ -192,16 +216,19 @@ class _Derivatives:
                 ) -> tuple[Array, Array]:
     """The tangents of ``(out, lse)`` (``outs[:2]``, followed by the
     residuals saved): the linear primitive of the differentiated leaves'
-    tangents."""
+    tangents.  Its fixed operands are the leaves and the outputs the
+    backward pass reads, nothing else: every one of them is a residual of
+    reverse mode."""
+    read = layout.read(outs)
     rule = _LinearRule(
         forward=self._linear_forward,
         transpose=lambda nonlinear, cts: self.backward(layout, nonlinear, cts),
-        num_nonlinear=len(primals) + len(outs), num_read=len(primals),
+        num_nonlinear=len(primals) + len(read), num_read=len(primals),
         out_avals=tuple(jax.typeof(x).to_tangent_aval() for x in outs[:2]))
     linear = [_zeros_for(p) if t is None else t
               for p, t in zip(self.diff_leaves(primals),
                               self.diff_leaves(tangents))]
-    return tuple(linear_p.bind(*primals, *outs, *linear, rule=rule))
+    return tuple(linear_p.bind(*primals, *read, *linear, rule=rule))
 
   def _linear_forward(self, nonlinear, linear) -> tuple[Array, Array]:
     """The JVP of the ``xla`` formulation at the call's leaves."""
@@ -214,8 +241,9 @@ class _Derivatives:
   def backward(self, layout: _Layout, nonlinear: Sequence[Array],
                cotangents: Sequence[Array]) -> list[Array]:
     """The cotangents of the differentiated leaves from those of ``(out,
-    lse)``, ``nonlinear`` being ``(*leaves, out, lse, *saved)``: the
-    backends' backward pass on the residuals.  Its own derivative is that
+    lse)``, ``nonlinear`` being the leaves followed by the forward pass's
+    outputs the pullback reads (:class:`_Layout`): the backends' backward
+    pass on the residuals.  Its own derivative is that
     of the ``xla`` formulation's backward pass."""
     num_leaves = len(self.diff)
 
