@@ -128,6 +128,12 @@ def test_mask_features(strategy, layout, mask_name):
 
 
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_odd_local_lengths(strategy):
+  # 60 positions on 4 shards: 15 each, no tile-aligned block anywhere.
+  _check(fresh_rng(), strategy, "contiguous", "segments", t=60)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 @pytest.mark.parametrize("heads", [(8, 1), (4, 4)])
 def test_gqa_mqa_and_eight_shards(strategy, heads):
   _check(fresh_rng(), strategy, "contiguous", "causal", n=8, b=1, t=64,
@@ -149,14 +155,21 @@ def test_two_mesh_axes_as_one_sequence_axis():
   assert lse_err(lse, ref_lse) < TOL
 
 
-def test_explicit_data_by_context_mesh_needs_no_shard_map():
+@pytest.mark.parametrize("axes", ["data_context", "context_heads"])
+def test_explicit_two_axis_mesh_needs_no_shard_map(axes):
   rng = fresh_rng()
-  mesh = _mesh((2, 4), ("d", "c"), AxisType.Explicit)
+  if axes == "data_context":
+    mesh = _mesh((2, 4), ("d", "c"), AxisType.Explicit)
+    spec = P("d", "c")
+  else:
+    mesh = _mesh((4, 2), ("c", "h"), AxisType.Explicit)
+    spec = P(None, "c", "h")
   q, k, v = random_qkv(rng, b=2, t=64, s=64, n=4, k=2, h=16)
   ids = jnp.asarray(random_segments(rng, 2, 64, 4))
-  sharding = NamedSharding(mesh, P("d", "c"))
+  sharding = NamedSharding(mesh, spec)
+  ids_sharding = NamedSharding(mesh, P(*tuple(spec)[:2]))
   qs, ks, vs = (jax.device_put(x, sharding) for x in (q, k, v))
-  ids_s = jax.device_put(ids, sharding)
+  ids_s = jax.device_put(ids, ids_sharding)
   case = Case(q, k, v, kwargs={"is_causal": True, "segment_ids": ids})
   cotangent = jnp.asarray(rng.standard_normal(q.shape, np.float32))
 
@@ -170,8 +183,9 @@ def test_explicit_data_by_context_mesh_needs_no_shard_map():
         loss, argnums=(0, 1, 2), has_aux=True))(qs, ks, vs, ids_s)
     assert jflash.selected_implementation(
         qs, ks, vs, is_causal=True, segment_ids=ids_s) == "xla"
-  assert tuple(out.sharding.spec[:2]) == ("d", "c")
-  assert all(tuple(g.sharding.spec[:2]) == ("d", "c") for g in grads)
+  want_spec = tuple(spec) + (None,) * (4 - len(spec))
+  assert tuple(out.sharding.spec) == want_spec
+  assert all(tuple(g.sharding.spec) == want_spec for g in grads)
   assert rel_err(out, case.call_reference(q, k, v, None)[0]) < TOL
   ref_grads = jax.grad(lambda q, k, v: jnp.sum(
       case.call_reference(q, k, v, None, jit=False)[0] * cotangent),
