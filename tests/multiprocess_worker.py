@@ -4,7 +4,8 @@
 2-process JAX cluster on localhost (4 CPU devices each, CPU collectives
 over gloo), builds a data x context mesh over all 8 devices, runs
 ``jflash.dot_product_attention`` on sequence-sharded global arrays
-(explicit shardings, and ``context_parallel`` inside a ``shard_map``),
+(explicit shardings, ``context_parallel`` inside a ``shard_map``, and
+Auto mesh axes with the TPU kernels in interpret mode partitioned by XLA),
 forward and gradients, and prints one ``RESULT`` line with their largest
 relative errors against the reference computed on this process alone.
 """
@@ -74,11 +75,24 @@ def main(process_id: int, port: int, seed: int) -> None:
             context_parallel=ring),
         in_specs=(spec,) * 4, out_specs=spec)(q, k, v, ids)
 
+  from jflash.backends import MosaicTpuBackend, MosaicTpuConfig
+  kernel = MosaicTpuBackend(MosaicTpuConfig(block_q=16, block_kv=16))
+
+  def auto_kernels(q, k, v, ids):
+    return jflash.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids, implementation=kernel,
+        interpret=True)
+
   results = {}
-  arrays = [global_array(x) for x in (q, k, v, ids)]
   ct = global_array(cotangent)
   for name, attend in (("explicit", explicit),
-                       ("shard_map_ring", in_shard_map)):
+                       ("shard_map_ring", in_shard_map),
+                       ("auto_kernels", auto_kernels)):
+    if name == "auto_kernels":
+      mesh = jax.make_mesh((2, 4), ("data", "context"),
+                           axis_types=(AxisType.Auto,) * 2)
+    arrays = [global_array(x) for x in (q, k, v, ids)]
+    ct = global_array(cotangent)
     def loss(q, k, v, ids, ct):
       out = attend(q, k, v, ids)
       return jnp.sum(out * ct), out

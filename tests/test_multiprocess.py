@@ -1,6 +1,8 @@
 """Context parallelism across processes: 2 JAX processes on this host with
 4 CPU devices each (``tests/multiprocess_worker.py``), one data x context
-mesh over all 8 devices, checked against a single-process reference."""
+mesh over all 8 devices (explicit shardings, a shard_map, and Auto axes
+with the TPU kernels partitioned by XLA), checked against a
+single-process reference."""
 
 from __future__ import annotations
 
@@ -46,3 +48,4 @@ def test_two_processes_match_the_reference():
   for result in results:
     assert result["explicit"] < 2e-5, result
     assert result["shard_map_ring"] < 2e-5, result
+    assert result["auto_kernels"] < 2e-5, result
