@@ -73,7 +73,7 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   """
   if sharding.is_explicitly_sharded(call):
     return sharding.per_shard(call, run, backend.name)
-  if (not _devices_to_split() or call.bias is not None
+  if (not _devices_to_split(call.platform) or call.bias is not None
       or call.mask.dense is not None):
     return run(call)
   mask = call.mask
@@ -90,14 +90,23 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   return _attention(static)(call.query, call.key, call.value, arrays)
 
 
-def _devices_to_split() -> bool:
+_PLATFORM_KIND = {"cuda": "gpu", "rocm": "gpu"}
+"""Lowering platform names -> the platform of JAX's devices."""
+
+
+def _devices_to_split(platform: str | None) -> bool:
   """Whether the call is traced for several devices present here.  Not
-  under an abstract mesh whose device is of another platform than this
-  host's (lowering for it, as ``jax.export`` for a TPU from a CPU host),
-  which ``custom_partitioning`` cannot lower (it needs the devices)."""
+  when it is lowered for another platform than this host's (a
+  per-platform branch of ``implementation=None``, or an abstract mesh of
+  another platform's devices, as ``jax.export`` for a TPU from a CPU
+  host), which ``custom_partitioning`` cannot lower (it needs the
+  devices)."""
+  host = jax.devices()[0].platform
+  if platform is not None and _PLATFORM_KIND.get(platform, platform) != host:
+    return False
   mesh = jax.sharding.get_abstract_mesh()
   device = getattr(mesh, "abstract_device", None)
-  if device is not None and device.platform != jax.devices()[0].platform:
+  if device is not None and device.platform != host:
     return False
   if mesh.axis_names and mesh.size == 1:
     return False
