@@ -99,3 +99,23 @@ def varying_result(shape: tuple[int, ...], dtype, inputs) -> jax.ShapeDtypeStruc
   return jax.ShapeDtypeStruct(
       shape, dtype,
       manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def check_config(config, positive_ints: tuple[str, ...],
+                 optional: tuple[str, ...] = ()) -> None:
+  """``ValueError`` naming the field unless each of ``positive_ints`` (or
+  of ``optional``, which may also be None) of the frozen dataclass
+  ``config`` is a positive int and its ``matmul_inputs`` is ``"auto"`` or
+  ``"float32"``."""
+  kind = type(config).__name__
+  if config.matmul_inputs not in ("auto", "float32"):
+    raise ValueError(f"{kind}.matmul_inputs must be 'auto' or 'float32', "
+                     f"got {config.matmul_inputs!r}")
+  for name in positive_ints + optional:
+    value = getattr(config, name)
+    if name in optional and value is None:
+      continue
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{kind}.{name} must be a positive int, got "
+                       f"{value!r}")
+

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 
 from jflash import masks
+from jflash.backends.base import check_config
 from jflash.backends.decode_base import DecodeCall
 
 Array = jax.Array
@@ -66,16 +67,8 @@ class DecodeConfig:
   matmul_inputs: str = "auto"
 
   def __post_init__(self):
-    if self.matmul_inputs not in ("auto", "float32"):
-      raise ValueError("DecodeConfig.matmul_inputs must be 'auto' or "
-                       f"'float32', got {self.matmul_inputs!r}")
-    for name in ("chunk_size", "num_splits", "parallelism"):
-      value = getattr(self, name)
-      if name == "num_splits" and value is None:
-        continue
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"DecodeConfig.{name} must be a positive int, "
-                         f"got {value!r}")
+    check_config(self, ("chunk_size", "parallelism"),
+                 optional=("num_splits",))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jflash import masks
-from jflash.backends.base import AttentionCall
+from jflash.backends.base import AttentionCall, check_config
 from jflash.backends.padding import pad_axis
 
 Array = jax.Array
@@ -61,14 +61,7 @@ class XlaConfig:
   matmul_inputs: str = "auto"
 
   def __post_init__(self):
-    if self.matmul_inputs not in ("auto", "float32"):
-      raise ValueError("XlaConfig.matmul_inputs must be 'auto' or 'float32', "
-                       f"got {self.matmul_inputs!r}")
-    for name in ("block_q", "block_kv", "max_tile_elements"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"XlaConfig.{name} must be a positive int, got "
-                         f"{value!r}")
+    check_config(self, ("block_q", "block_kv", "max_tile_elements"))
 
   def blocks_for(self, batch: int, heads: int, q_len: int,
                  kv_len: int) -> tuple[int, int]:
