@@ -34,6 +34,7 @@ from jflash.backends import BACKENDS
 from jflash.backends.decode_base import DecodeCall
 from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
 from jflash.backends.decode_xla import XlaDecodeBackend
+from jflash.backends.mosaic_gpu.decode import MosaicGpuDecodeBackend
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -47,13 +48,17 @@ past 16 tokens a call is a prefill chunk, which
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
-DECODE_BACKENDS: dict[str, Any] = {"xla": XlaDecodeBackend(),
+DECODE_BACKENDS: dict[str, Any] = {"mosaic_gpu": MosaicGpuDecodeBackend(),
+                                   "xla": XlaDecodeBackend(),
                                    "mosaic_tpu": MosaicTpuDecodeBackend()}
 """Decode backends by name.  The names of :data:`jflash.BACKENDS` without a
-decode kernel yet (``mosaic_gpu``, ``cudnn``) decline with
-``NotImplementedError``.  ``implementation=None`` runs ``xla``: the
-``mosaic_tpu`` kernel is verified in interpret mode only and is taken when
-named."""
+decode kernel (``cudnn``) decline with ``NotImplementedError``.
+``implementation=None`` tries ``mosaic_gpu`` (on a Hopper GPU) and then
+``xla``: the ``mosaic_tpu`` kernel is verified in interpret mode only and
+is taken when named."""
+
+DEFAULT_DECODE_ORDER = ("mosaic_gpu", "xla")
+"""What ``implementation=None`` tries, in order."""
 
 
 # --------------------------------------------------------------- validation
@@ -234,7 +239,7 @@ class _NoDecodeKernel:
 
 def _requested(implementation: Any) -> tuple[Any, ...]:
   if implementation is None:
-    return (DECODE_BACKENDS["xla"],)
+    return tuple(DECODE_BACKENDS[name] for name in DEFAULT_DECODE_ORDER)
   entries = (implementation if isinstance(implementation, Sequence)
              and not isinstance(implementation, str) else (implementation,))
   result = []
@@ -331,13 +336,14 @@ def decode_attention(
       read.
     logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
       scaling.
-    implementation: None (``"xla"`` on every platform for now), a backend
-      name, a decode backend object (such as
-      ``jflash.backends.decode_xla.XlaDecodeBackend(DecodeConfig(...))``)
-      or a sequence of those tried in order.  ``"mosaic_tpu"`` is the
-      Pallas TPU kernel (on a TPU, or anywhere with ``interpret=True``);
-      ``"mosaic_gpu"`` and ``"cudnn"`` have no decode kernel yet and
-      decline.
+    implementation: None (the ``"mosaic_gpu"`` kernel on a Hopper GPU where
+      it serves the call, else ``"xla"``), a backend name, a decode backend
+      object (such as ``jflash.backends.decode_xla.XlaDecodeBackend(
+      DecodeConfig(...))``) or a sequence of those tried in order.
+      ``"mosaic_gpu"`` is the Hopper kernel (bfloat16/float16, head dims
+      64/128/256); ``"mosaic_tpu"`` the Pallas TPU kernel (on a TPU, or
+      anywhere with ``interpret=True``); ``"cudnn"`` has no decode kernel
+      and declines.
     return_residual: also return the logsumexp.
     interpret: run Pallas kernels in Pallas's interpret mode, which works on
       the CPU (slow; for verification): ``mosaic_tpu`` serves it, ``xla``

@@ -32,6 +32,7 @@ classified from per-tile minima/maxima and any/all reductions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -331,6 +332,25 @@ def key_visibility_at(position: Array | int, kv_len: int, *,
 
 
 # ------------------------------------------------------------------ decode
+def decode_row_bounds_at(t: Array, lengths: Array, num_new: int, *,
+                         kv_len: int,
+                         window: tuple[int, int] | None
+                         ) -> tuple[Array, Array]:
+  """The visible cache interval ``lo <= s < hi`` of new query ``t`` of a
+  sequence with ``lengths`` valid slots (``t`` and ``lengths`` int32
+  arrays or scalars that broadcast; the rule of :func:`decode_row_bounds`).
+
+  Elementwise integer operations only, so that a decode kernel applies it
+  to row vectors in its own register layout, or to scalars.
+  """
+  if window is not None:
+    # A side at least kv_len hides nothing; clamping keeps int32 sums.
+    window = (min(int(window[0]), kv_len), min(int(window[1]), kv_len))
+  return row_bounds(t, q_len=num_new, kv_len=kv_len, is_causal=True,
+                    window=window, kv_length=lengths,
+                    q_offset=lengths - num_new)
+
+
 def decode_row_bounds(lengths: Array, num_new: int, *, kv_len: int,
                       window: tuple[int, int] | None
                       ) -> tuple[Array, Array]:
@@ -358,12 +378,8 @@ def decode_row_bounds(lengths: Array, num_new: int, *, kv_len: int,
   """
   lengths = jnp.asarray(lengths, jnp.int32)[:, None]
   t = jnp.arange(num_new, dtype=jnp.int32)[None, :]
-  if window is not None:
-    # A side at least kv_len hides nothing; clamping keeps int32 sums.
-    window = (min(int(window[0]), kv_len), min(int(window[1]), kv_len))
-  lo, hi = row_bounds(t, q_len=num_new, kv_len=kv_len, is_causal=True,
-                      window=window, kv_length=lengths,
-                      q_offset=lengths - num_new)
+  lo, hi = decode_row_bounds_at(t, lengths, num_new, kv_len=kv_len,
+                                window=window)
   return jnp.broadcast_arrays(lo, hi)
 
 
@@ -381,16 +397,50 @@ def decode_visibility(lengths: Array, num_new: int, key_positions: Array, *,
 
 def decode_key_range(lengths: Array, num_new: int, *, kv_len: int,
                      window: tuple[int, int] | None) -> tuple[Array, Array]:
-  """int32 ``(first, end)`` ``[B]``: the slots ``first <= s < end`` hold
-  every key some new query of sequence ``b`` sees (``first == end == 0``
-  when none sees any).  A decode kernel reads only these slots (with a
-  window, only the window's pages)."""
-  lo, hi = decode_row_bounds(lengths, num_new, kv_len=kv_len, window=window)
-  seen = hi > lo
-  any_seen = seen.any(-1)
-  first = jnp.min(jnp.where(seen, lo, kv_len), -1)
-  end = jnp.max(jnp.where(seen, hi, 0), -1)
-  return jnp.where(any_seen, first, 0), jnp.where(any_seen, end, 0)
+  """int32 ``(first, end)`` shaped as ``lengths`` (``[B]``, or a scalar in
+  a kernel): the slots ``first <= s < end`` hold every key some new query
+  of the sequence sees (``first == end == 0`` when none sees any).  A
+  decode kernel reads only these slots (with a window, only the window's
+  pages).
+
+  Both ends of a query's interval are nondecreasing in ``t``, so the hull
+  runs from the first query that sees anything (the first whose position
+  ``lengths - T + t`` is not negative) to the last query's end.
+  """
+  lengths = jnp.asarray(lengths, jnp.int32)
+  first_seeing = jnp.clip(num_new - lengths, 0, num_new - 1)
+  bounds = functools.partial(decode_row_bounds_at, lengths=lengths,
+                             num_new=num_new, kv_len=kv_len, window=window)
+  first, first_hi = bounds(first_seeing)
+  _, end = bounds(jnp.full_like(lengths, num_new - 1))
+  seen = first_hi > first
+  return jnp.where(seen, first, 0), jnp.where(seen, end, 0)
+
+
+def decode_chunk_class(lengths: Array, num_new: int, start: Array,
+                       chunk: int, *, kv_len: int,
+                       window: tuple[int, int] | None
+                       ) -> tuple[Array, Array]:
+  """What a decode kernel must do with the cache slots ``start .. start +
+  chunk - 1`` of a sequence (elementwise; scalars in a kernel).
+
+  Returns bool ``(full, unseen)``: ``full`` when every new query sees every
+  slot (the element mask can be skipped); ``unseen`` when some slot is
+  outside :func:`decode_key_range` (no query sees it: its value may hold
+  anything, NaN included, and must not reach the value product).
+  """
+  lengths = jnp.asarray(lengths, jnp.int32)
+  bounds = functools.partial(decode_row_bounds_at, lengths=lengths,
+                             num_new=num_new, kv_len=kv_len, window=window)
+  # lo and hi are nondecreasing in t: the last query has the highest lo,
+  # the first the lowest hi (its hi <= lo when it sees nothing).
+  _, first_hi = bounds(jnp.zeros_like(lengths))
+  last_lo, _ = bounds(jnp.full_like(lengths, num_new - 1))
+  full = (start >= last_lo) & (start + chunk <= first_hi)
+  first, end = decode_key_range(lengths, num_new, kv_len=kv_len,
+                                window=window)
+  unseen = (start < first) | (start + chunk > end)
+  return full, unseen
 
 
 def decode_max_chunks(num_new: int, kv_len: int, chunk: int,

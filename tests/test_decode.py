@@ -542,3 +542,193 @@ def test_generation_example_matches_the_uncached_model():
   np.testing.assert_allclose(np.asarray(logits), np.asarray(full), atol=1e-4)
   np.testing.assert_array_equal(
       np.asarray(tokens), np.asarray(jnp.argmax(full, -1)))
+
+
+# ------------------------------------------------------- the Hopper kernel
+def _gpu_backend(**config):
+  from jflash.backends.mosaic_gpu.decode import (MosaicGpuDecodeBackend,
+                                                 MosaicGpuDecodeConfig)
+  return MosaicGpuDecodeBackend(MosaicGpuDecodeConfig(**config))
+
+
+# (T, heads (N, K), head dim, capacity, page size or None, window, soft cap,
+# config): GQA groups of one to 64 rows and several row tiles, every head
+# dim, pages shorter than a chunk, equal to it and longer.
+GPU_CASES = [
+    (1, (32, 8), 128, 1024, None, None, None, {}),
+    (1, (8, 2), 128, 1000, 16, (100, 0), None, {}),
+    (2, (4, 1), 64, 520, 64, None, 5.0, {}),
+    (7, (32, 1), 64, 296, None, (50, 3), 30.0, dict(num_splits=3)),
+    (16, (4, 4), 256, 512, 256, None, None, {}),
+    (16, (16, 4), 128, 640, 128, (200, 0), 4.0, dict(block_kv=128)),
+    (8, (32, 8), 128, 4096, 64, None, None, dict(stages=2, num_splits=1)),
+    (3, (8, 8), 256, 48, None, None, None, {}),
+]
+
+
+def _gpu_problem(rng, case, dtype):
+  num_new, heads, head_dim, capacity, page_size, window, cap, _ = case
+  return make_problem(rng, batch=5, num_new=num_new, heads=heads,
+                      head_dim=head_dim, capacity=capacity, window=window,
+                      cap=cap, page_size=page_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
+    f"T{c[0]}-N{c[1][0]}K{c[1][1]}-H{c[2]}-S{c[3]}-p{c[4]}-w{c[5]}"
+    f"-cap{c[6]}-{'-'.join(f'{k}{v}' for k, v in c[7].items())}"))
+def test_hopper_kernel_lowers_for_cuda_on_any_host(case):
+  """The Hopper decode kernel traces and lowers for a CUDA target on the
+  CPU (shape, layout and shared-memory errors surface here), also under
+  x64."""
+  from jflash.backends import mosaic_gpu
+  num_new, heads, head_dim, capacity, page_size, window, cap, config = case
+  batch = 3
+  q = jax.ShapeDtypeStruct((batch, num_new, heads[0], head_dim),
+                           jnp.bfloat16)
+  table = None
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((batch, capacity, heads[1], head_dim),
+                              jnp.bfloat16)
+  else:
+    max_pages = capacity // page_size
+    kv = jax.ShapeDtypeStruct((batch * max_pages + 2, page_size, heads[1],
+                               head_dim), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((batch, max_pages), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+
+  def run(q, k, v, n, t):
+    return jflash.decode_attention(
+        q, k, v, n, block_table=t, local_window_size=window,
+        logits_soft_cap=cap, implementation=_gpu_backend(**config))
+  for x64 in (False, True):
+    with jax.enable_x64(x64), mosaic_gpu.lowering_for_hopper():
+      text = jax.jit(run).trace(q, kv, kv, lengths, table).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert "jflash_decode" in text
+
+
+def test_hopper_kernel_declines_what_it_does_not_serve():
+  """Off Hopper, in interpret mode, float32, other head dims, contiguous
+  caches whose length is not a multiple of 8 and page sizes that do not
+  tile a chunk go to the next backend."""
+  from jflash.backends import mosaic_gpu
+  rng = fresh_rng()
+  problem = make_problem(rng, num_new=2, head_dim=64, capacity=48,
+                         dtype=jnp.bfloat16)
+  args = (problem.query, problem.key, problem.value, problem.lengths)
+  if jax.default_backend() != "gpu":
+    with pytest.raises(NotImplementedError, match="Hopper GPU"):
+      jflash.decode_attention(*args, implementation=_gpu_backend())
+  declined = [
+      (dict(interpret=True), {}, "interpret"),
+      (dict(dtype=jnp.float32), {}, "float32"),
+      (dict(head_dim=96), {}, "head dims"),
+      (dict(capacity=132), {}, "multiple of 8"),
+      (dict(page_size=12), {}, "page size 12"),
+      (dict(page_size=48), {}, "page size 48"),
+  ]
+  for changes, config, message in declined:
+    interpret = changes.pop("interpret", False)
+    shape = dict(num_new=2, head_dim=64, capacity=96, dtype=jnp.bfloat16)
+    shape.update(changes)
+    problem = make_problem(rng, **shape)
+    if problem.table is None:
+      call = (problem.query, problem.key, problem.value, problem.lengths)
+      kw = {}
+    else:
+      call = (problem.query, problem.key_pages, problem.value_pages,
+              problem.lengths)
+      kw = dict(block_table=problem.table)
+    with mosaic_gpu.lowering_for_hopper():
+      with pytest.raises(NotImplementedError, match=message):
+        jflash.decode_attention(*call, **kw, interpret=interpret,
+                                implementation=_gpu_backend(**config))
+
+
+def _on_hopper() -> bool:
+  from jflash.backends import mosaic_gpu
+  return jax.default_backend() == "gpu" and mosaic_gpu.is_hopper()
+
+
+hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: (
+    f"T{c[0]}-N{c[1][0]}K{c[1][1]}-H{c[2]}-S{c[3]}-p{c[4]}-w{c[5]}"
+    f"-cap{c[6]}-{'-'.join(f'{k}{v}' for k, v in c[7].items())}"))
+def test_hopper_kernel_matches_reference(case, dtype, paged):
+  """Ragged lengths (0, the capacity, one short of T, random), GQA/MQA,
+  windows, soft cap, contiguous and paged: within the same-dtype baseline
+  of the exact reference."""
+  if paged and case[4] is None:
+    case = case[:4] + (64 if case[3] % 64 == 0 else 8,) + case[5:]
+  if not paged:
+    case = case[:4] + (None,) + case[5:]
+  rng = fresh_rng()
+  problem = _gpu_problem(rng, case, dtype)
+  out, lse = problem.decode(paged, _gpu_backend(**case[7]))
+  check_against_reference(problem, out, lse,
+                          f"{case} lengths={problem.lengths}")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("paged", [False, True])
+def test_hopper_kernel_never_uses_slots_no_query_sees(paged):
+  """NaN in every slot no new token sees and junk table entries leave the
+  kernel's result bitwise unchanged; reruns give the same bits."""
+  rng = fresh_rng()
+  problem = make_problem(rng, batch=6, num_new=3, heads=(8, 2),
+                         head_dim=128, capacity=512, window=(150, 0),
+                         page_size=16 if paged else None,
+                         dtype=jnp.bfloat16)
+  run = functools.partial(Problem.decode, paged=paged,
+                          backend=_gpu_backend(num_splits=3))
+  clean = run(problem)
+  seen = problem.visibility[:, 0].any(1)  # [B, S]
+  poison = lambda x: jnp.where(jnp.asarray(seen)[..., None, None], x,
+                               jnp.nan)
+  dirty = dataclasses.replace(problem, key=poison(problem.key),
+                              value=poison(problem.value))
+  if paged:
+    page_size = problem.key_pages.shape[1]
+    pages_seen = seen.reshape(seen.shape[0], -1, page_size).any(-1)
+    table = problem.table.copy()
+    table[~pages_seen] = -1
+    k_pages = jnp.full_like(problem.key_pages, jnp.nan)
+    v_pages = k_pages
+    for b, j in zip(*np.nonzero(pages_seen)):
+      block = slice(j * page_size, (j + 1) * page_size)
+      k_pages = k_pages.at[table[b, j]].set(dirty.key[b, block])
+      v_pages = v_pages.at[table[b, j]].set(dirty.value[b, block])
+    dirty = dataclasses.replace(dirty, table=table, key_pages=k_pages,
+                                value_pages=v_pages)
+  for _ in range(2):
+    got = run(dirty)
+    for g, c in zip(got, clean):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+  check_against_reference(problem, *clean, "poisoned")
+
+
+@pytest.mark.gpu
+@hopper
+def test_hopper_kernel_split_counts_and_default_agree():
+  """One split, many, and the automatic count (which fills the SMs) all
+  match the reference; the default decode implementation on a Hopper GPU
+  is the kernel."""
+  rng = fresh_rng()
+  problem = make_problem(rng, batch=2, num_new=1, heads=(32, 8),
+                         head_dim=128, capacity=2048, page_size=64,
+                         dtype=jnp.bfloat16)
+  for splits in (1, 5, None):
+    out, lse = problem.decode(True, _gpu_backend(num_splits=splits))
+    check_against_reference(problem, out, lse, f"splits={splits}")
+  default = problem.decode(True)
+  kernel = problem.decode(True, _gpu_backend())
+  np.testing.assert_array_equal(np.asarray(default[0]),
+                                np.asarray(kernel[0]))

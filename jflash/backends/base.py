@@ -105,12 +105,13 @@ def check_config(config, positive_ints: tuple[str, ...],
                  optional: tuple[str, ...] = ()) -> None:
   """``ValueError`` naming the field unless each of ``positive_ints`` (or
   of ``optional``, which may also be None) of the frozen dataclass
-  ``config`` is a positive int and its ``matmul_inputs`` is ``"auto"`` or
-  ``"float32"``."""
+  ``config`` is a positive int and its ``matmul_inputs`` (where it has
+  one) is ``"auto"`` or ``"float32"``."""
   kind = type(config).__name__
-  if config.matmul_inputs not in ("auto", "float32"):
+  matmul_inputs = getattr(config, "matmul_inputs", "auto")
+  if matmul_inputs not in ("auto", "float32"):
     raise ValueError(f"{kind}.matmul_inputs must be 'auto' or 'float32', "
-                     f"got {config.matmul_inputs!r}")
+                     f"got {matmul_inputs!r}")
   for name in positive_ints + optional:
     value = getattr(config, name)
     if name in optional and value is None:

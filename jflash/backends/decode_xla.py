@@ -211,15 +211,25 @@ def _split_partial(call: DecodeCall, plan: _Plan, q_rows: Array,
 
 
 def merge_partials(m: Array, l: Array, acc: Array) -> tuple[Array, Array]:
-  """Exact merge of split results (leading split axis) through their
-  logsumexp, folded in split order (a fixed order: deterministic).
+  """Exact merge of split results ``(m, l, acc)`` (row maxima, sums and
+  unnormalized outputs, leading split axis); see :func:`merge_normalized`.
 
   Returns ``(out [..., H], lse [...])``; rows no split saw give zeros and
   ``-inf``."""
   seen = l > 0
   lse_parts = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   out_parts = acc / jnp.where(seen, l, 1.0)[..., None]
+  return merge_normalized(out_parts, lse_parts)
 
+
+def merge_normalized(out_parts: Array, lse_parts: Array
+                     ) -> tuple[Array, Array]:
+  """Exact merge of split results given as normalized outputs ``[splits,
+  ..., H]`` and natural-log logsumexps ``[splits, ...]`` (``-inf`` where a
+  split saw no key), folded in split order (a fixed order: deterministic).
+
+  Returns ``(out [..., H], lse [...])``; rows no split saw give zeros and
+  ``-inf``."""
   def fold(carry, part):
     out, lse = carry
     out_p, lse_p = part
@@ -230,7 +240,9 @@ def merge_partials(m: Array, l: Array, acc: Array) -> tuple[Array, Array]:
     return (out, new), None
 
   init = (jnp.zeros_like(out_parts[0]), jnp.full_like(lse_parts[0], -jnp.inf))
-  (out, lse), _ = lax.scan(fold, init, (out_parts, lse_parts))
+  # Unrolled: the folds fuse into one pass over the splits instead of a
+  # loop of small kernels.
+  (out, lse), _ = lax.scan(fold, init, (out_parts, lse_parts), unroll=True)
   return out, lse
 
 

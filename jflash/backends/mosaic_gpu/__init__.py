@@ -43,7 +43,7 @@ from jflash.backends.mosaic_gpu.config import (MosaicGpuConfig,
 Array = jax.Array
 
 __all__ = ["MosaicGpuBackend", "MosaicGpuConfig", "default_config",
-           "lowering_for_hopper", "tuned_config"]
+           "is_hopper", "lowering_for_hopper", "tuned_config"]
 
 
 def _decline(reason: str):
@@ -75,7 +75,9 @@ def lowering_for_hopper():
     _LOWERING_FOR_HOPPER.reset(token)
 
 
-def _is_hopper() -> bool:
+def is_hopper() -> bool:
+  """Whether the kernels target a Hopper GPU: this host's first device is
+  one, or :func:`lowering_for_hopper` is in effect."""
   if _LOWERING_FOR_HOPPER.get():
     return True
   try:
@@ -121,7 +123,7 @@ class MosaicGpuBackend:
     if call.platform not in (None, "cuda"):
       _decline(f"needs a Hopper GPU, the call is lowered for "
                f"{call.platform!r}")
-    if not _is_hopper():
+    if not is_hopper():
       _decline("needs a Hopper GPU (compute capability 9.x)")
     if call.dtype not in (jnp.bfloat16, jnp.float16):
       _decline(f"computes in bfloat16/float16 only, got {call.dtype} (the "

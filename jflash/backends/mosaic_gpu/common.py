@@ -380,10 +380,12 @@ class PersistentItems:
 
 def warp_specialized_kernel(setup: Callable, args, *, scratch, out_type,
                             grid: tuple[int, ...],
-                            grid_names: tuple[str, ...], kernel_name: str):
-  """The skeleton of the Hopper kernels: three warpgroups per CTA (two
-  consumers and a producer, :func:`split_warpgroups`) sharing the
-  shared-memory buffers ``scratch``.
+                            grid_names: tuple[str, ...], kernel_name: str,
+                            consumers: int = 2):
+  """The skeleton of the Hopper kernels: ``consumers`` consumer warpgroups
+  (two, or one for the decode kernel) and a producer per CTA
+  (:func:`split_warpgroups`) sharing the shared-memory buffers
+  ``scratch``.
 
   ``setup(*refs)`` gets the global-memory refs of ``args`` and the outputs
   (in that order) and returns ``body(scratch_refs)``, which runs with
@@ -394,21 +396,23 @@ def warp_specialized_kernel(setup: Callable, args, *, scratch, out_type,
     pl.run_scoped(setup(*refs), scratch, collective_axes="wg")
   return plgpu.kernel(
       kernel, out_type=out_type, grid=grid, grid_names=grid_names,
-      num_threads=3, thread_name="wg", kernel_name=kernel_name,
+      num_threads=consumers + 1, thread_name="wg", kernel_name=kernel_name,
       compiler_params=COMPILER_PARAMS)(*args)
 
 
 def split_warpgroups(wg: Array, consumer: Callable[[], None],
-                     producer: Callable[[], None]) -> None:
-  """``consumer()`` on warpgroups 0 and 1 and ``producer()`` on warpgroup
-  2, each after moving registers to the consumers (``setmaxnreg``:
-  :data:`CONSUMER_REGISTERS` and :data:`PRODUCER_REGISTERS`)."""
-  @pl.when(wg < 2)
+                     producer: Callable[[], None], consumers: int = 2
+                     ) -> None:
+  """``consumer()`` on warpgroups ``0 .. consumers - 1`` and ``producer()``
+  on the last, each after moving registers to the consumers
+  (``setmaxnreg``: :data:`CONSUMER_REGISTERS` and
+  :data:`PRODUCER_REGISTERS`)."""
+  @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     consumer()
 
-  @pl.when(wg == 2)
+  @pl.when(wg == consumers)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     producer()
