@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -184,7 +185,42 @@ def free_bytes() -> int | None:
   return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-_normal = jax.jit(jax.random.normal, static_argnums=(1, 2))
+CHUNK_BYTES = 64 << 20
+"""Random inputs are drawn in pieces of at most this many bytes: one draw
+of a whole array holds about 12 times its bytes in temporaries."""
+
+
+def _chunking(shape: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+  """``(axis, size)``: pieces span ``size`` entries of ``axis`` and every
+  later axis, at most :data:`CHUNK_BYTES` each (the largest such piece)."""
+  for axis in range(len(shape)):
+    inner = math.prod(shape[axis + 1:]) * itemsize
+    for size in range(shape[axis], 0, -1):
+      if shape[axis] % size == 0 and size * inner <= CHUNK_BYTES:
+        return axis, size
+  return len(shape) - 1, 1
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3), donate_argnums=(1,))
+def _fill_normal(key: jax.Array, out: jax.Array, axis: int,
+                 size: int) -> jax.Array:
+  """``out`` filled with standard normal values, one piece at a time (in
+  place: ``out`` is donated)."""
+  lead = out.shape[:axis] + (out.shape[axis] // size,)
+  piece = (1,) * axis + (size,) + out.shape[axis + 1:]
+
+  def body(i, out):
+    index = jnp.unravel_index(i, lead)
+    start = (*index[:-1], index[-1] * size) + (0,) * (out.ndim - axis - 1)
+    values = jax.random.normal(jax.random.fold_in(key, i), piece, out.dtype)
+    return jax.lax.dynamic_update_slice(out, values, start)
+  return jax.lax.fori_loop(0, math.prod(lead), body, out)
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+  """Standard normal values of ``shape`` drawn on the device."""
+  axis, size = _chunking(shape, jnp.dtype(dtype).itemsize)
+  return _fill_normal(key, jnp.zeros(shape, dtype), axis, size)
 
 
 def make_inputs(cell: Cell, key: jax.Array, count: int) -> list[tuple]:
