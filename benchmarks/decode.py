@@ -353,7 +353,8 @@ def _check_and_time(impls: list[DecodeImpl], sets: list[tuple],
     gb_s = cell.bytes_read / (timing["ms"] * 1e-3) / 1e9
     fields.update(us=timing["ms"] * 1e3, gb_s=gb_s,
                   share_of_copy=gb_s / config.copy_gb_s,
-                  calls=timing["calls"], repeats=timing["repeats"])
+                  calls=timing["calls"], repeats=timing["repeats"],
+                  timed_with=[i.name for i in passed if i is not impl])
   return results
 
 
