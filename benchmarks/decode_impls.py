@@ -85,12 +85,30 @@ def check_names(names: list[str]) -> None:
                      f"jflash, jflash:<backend> or one of {PEERS}")
 
 
+def _backend(spec: str | None):
+  """A backend name, or ``mosaic_gpu+field=value+...``: the Hopper decode
+  kernel with those ``MosaicGpuDecodeConfig`` fields (integers)."""
+  if spec is None or "+" not in spec:
+    return spec
+  name, *fields = spec.split("+")
+  if name != "mosaic_gpu":
+    raise ValueError(f"--impls: only mosaic_gpu takes config fields, got "
+                     f"{spec!r}")
+  from jflash.backends.mosaic_gpu.decode import (  # noqa: PLC0415
+      MosaicGpuDecodeBackend, MosaicGpuDecodeConfig)
+  config = {}
+  for field in fields:
+    key, _, value = field.partition("=")
+    config[key] = int(value)
+  return MosaicGpuDecodeBackend(MosaicGpuDecodeConfig(**config))
+
+
 def _window(cell) -> tuple[int, int] | None:
   return None if cell.window is None else (cell.window, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def jflash_fn(implementation: str | None, window: tuple[int, int] | None):
+def jflash_fn(implementation: Any, window: tuple[int, int] | None):
   """jitted ``jflash.decode_attention`` (one function per backend and
   window, so that a column and the reference share their compilation)."""
 
@@ -117,8 +135,10 @@ def make_impl(name: str, cell, *, platform: str,
   """
   if name == "jflash" or name.startswith("jflash:"):
     backend = name.partition(":")[2] or None
-    return DecodeImpl(name, jflash_fn(backend, _window(cell)),
-                      declines_off_gpu=backend in ("mosaic_gpu", "cudnn"))
+    declines_off_gpu = backend is not None and (
+        backend.split("+")[0] in ("mosaic_gpu", "cudnn"))
+    return DecodeImpl(name, jflash_fn(_backend(backend), _window(cell)),
+                      declines_off_gpu=declines_off_gpu)
   if name.startswith("jax_nn_"):
     return _jax_nn(name, cell, platform)
   if platform != "gpu" and not pallas_interpret:

@@ -9,8 +9,9 @@ attention where jflash cannot serve the call).
 
 Decode steps run :func:`jflash.decode_attention` with the cache occupancy
 as its lengths when nothing else shapes the call (no mask, segment ids or
-query lengths, key lengths only without a window, the default or ``xla``
-implementation, equal query and value head dims); otherwise they express
+query lengths, key lengths only without a window, the default, ``xla`` or
+``mosaic_gpu`` implementation, equal query and value head dims); otherwise
+they express
 occupancy as ``key_value_seq_lengths`` (a dense mask row only for a local
 window, or when Flax's fallback runs).  Both match the non-decode causal
 output token by token.  A query row that sees no key
@@ -166,7 +167,7 @@ def decode_step(
       or (kv_lengths is not None
           and (window is not None or kv_lengths.shape != batch_shape
                or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)))
-      or not (layer.implementation is None or layer.implementation == "xla")
+      or layer.implementation not in (None, "xla", "mosaic_gpu")
       or query.shape[-3] != 1 or value.shape[-1] != query.shape[-1]):
     return None
   query, key, value = promote_dtype(query, key, value, dtype=layer.dtype)
@@ -175,11 +176,19 @@ def decode_step(
   if kv_lengths is not None:
     lengths = jnp.minimum(lengths, jnp.asarray(kv_lengths).reshape(b).clip(
         0, key.shape[-3]).astype(jnp.int32))
-  out = decode_attention(
-      query.reshape((b,) + query.shape[-3:]),
-      key.reshape((b,) + key.shape[-3:]),
-      value.reshape((b,) + value.shape[-3:]), lengths,
-      local_window_size=window, logits_soft_cap=layer.logits_soft_cap)
+  try:
+    out = decode_attention(
+        query.reshape((b,) + query.shape[-3:]),
+        key.reshape((b,) + key.shape[-3:]),
+        value.reshape((b,) + value.shape[-3:]), lengths,
+        local_window_size=window, logits_soft_cap=layer.logits_soft_cap,
+        implementation=layer.implementation)
+  except NotImplementedError:
+    # A named kernel that declines this step (e.g. mosaic_gpu at an odd head
+    # dim): the attention path honours the name with its own kernels.
+    if layer.implementation is None:
+      raise
+    return None
   return out.reshape(batch_shape + out.shape[1:])
 
 
