@@ -323,6 +323,29 @@ def test_decode_key_range_is_the_hull_of_visible_keys():
       assert (int(first[b]), int(end[b])) == want, (seed, b, lengths, window)
 
 
+def test_decode_chunk_class_matches_brute_force():
+  """``full`` exactly when every new query sees every slot of the chunk;
+  ``unseen`` exactly when some slot of it is seen by no query (chunks
+  may start anywhere, also before 0 or past the cache)."""
+  rng, seed = _seeded()
+  for _ in range(6):
+    num_new, kv_len, lengths, window = _random_decode_problem(rng)
+    vis = brute_decode_visibility(lengths, num_new, kv_len, window)
+    vis = np.pad(vis, ((0, 0), (0, 0), (8, 8)))  # slots -8 .. kv_len + 7
+    chunk = int(rng.integers(1, 9))
+    starts = np.arange(-8, kv_len + 8 - chunk + 1, dtype=np.int32)
+    for b, length in enumerate(lengths):
+      full, unseen = masks.decode_chunk_class(
+          jnp.int32(length), num_new, jnp.asarray(starts), chunk,
+          kv_len=kv_len, window=window)
+      for i, start in enumerate(starts):
+        block = vis[b, :, start + 8:start + 8 + chunk]
+        info = (seed, num_new, kv_len, int(length), window, int(start),
+                chunk)
+        assert bool(full[i]) == bool(block.all()), info
+        assert bool(unseen[i]) == bool(not block.any(0).all()), info
+
+
 def test_decode_max_chunks_bounds_every_length():
   rng, seed = _seeded()
   for _ in range(6):
