@@ -67,7 +67,7 @@ import numpy as np
 from benchmarks import decode_impls
 from benchmarks.decode_impls import DecodeImpl, Skip
 from benchmarks.report import git_commit
-from benchmarks.timing import TimerConfig, time_functions
+from benchmarks.timing import METHODS, TimerConfig, time_functions
 
 ROTATION_BYTES = 1 << 30
 """Input sets per cell: enough for this many cache bytes, ..."""
@@ -495,6 +495,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--out", type=Path, required=True,
                  help="folder for decode.jsonl, table.md, meta.json")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--timer", default="enqueue", choices=METHODS,
+                 help="enqueue: calls back to back, host clock (the "
+                 "device's throughput, launch gaps included); profiler: "
+                 "the summed kernel time per call (GPU only)")
   return p.parse_args(argv)
 
 
@@ -524,8 +528,10 @@ def main(argv: list[str] | None = None) -> int:
   if not cells:
     print("no cell matches --cells", file=sys.stderr)
     return 2
-  timer = (TimerConfig(calls=2, repeats=2, warmup=1) if args.small else
-           TimerConfig(calls=10, repeats=5, warmup=2, max_seconds=1.0))
+  timer = (TimerConfig(args.timer, calls=2, repeats=2, warmup=1)
+           if args.small else
+           TimerConfig(args.timer, calls=10, repeats=5, warmup=2,
+                       max_seconds=1.0))
   copy = copy_bandwidth(SMALL_COPY_BYTES if args.small else COPY_BYTES,
                         cells[0].dtype, timer)
   meta = _metadata(args, names, timer, copy, argv)
