@@ -556,8 +556,8 @@ def _gpu_backend(**config):
 # dim, pages shorter than a chunk, equal to it and longer.
 GPU_CASES = [
     (1, (32, 8), 128, 1024, None, None, None, {}),
-    (1, (8, 2), 128, 1000, 16, (100, 0), None, {}),
-    (2, (4, 1), 64, 520, 64, None, 5.0, {}),
+    (1, (8, 2), 128, 1008, 16, (100, 0), None, {}),
+    (2, (4, 1), 64, 576, 64, None, 5.0, {}),
     (7, (32, 1), 64, 296, None, (50, 3), 30.0, dict(num_splits=3)),
     (16, (4, 4), 256, 512, 256, None, None, {}),
     (16, (16, 4), 128, 640, 128, (200, 0), 4.0, dict(block_kv=128)),

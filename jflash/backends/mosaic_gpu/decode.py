@@ -221,7 +221,18 @@ def _produce(st: _Static, refs: dict, smem: _Scratch, cta) -> None:
   q_ref, k_ref, v_ref = refs["q"], refs["k"], refs["v"]
   table_ref = refs.get("table")
 
-  def copy_chunk(item: _Item, chunk, slot) -> None:
+  rows = st.block_kv if table_ref is None else min(st.page_size,
+                                                    st.block_kv)
+
+  def pages_of(item: _Item, chunk) -> tuple:
+    """The pages of a chunk's copies (none for a contiguous cache)."""
+    if table_ref is None:
+      return ()
+    start = chunk * st.block_kv
+    return tuple(_page_of(st, table_ref, item, start + part * rows)
+                 for part in range(st.copies_per_chunk))
+
+  def copy_chunk(item: _Item, chunk, slot, pages: tuple) -> None:
     start = chunk * st.block_kv
     for src, dst, ready in ((k_ref, smem.k, smem.k_ready),
                             (v_ref, smem.v, smem.v_ready)):
@@ -230,11 +241,8 @@ def _produce(st: _Static, refs: dict, smem: _Scratch, cta) -> None:
             src.at[item.b, pl.ds(start, st.block_kv), item.kv_head],
             dst.at[slot], ready.at[slot])
         continue
-      rows = min(st.page_size, st.block_kv)
-      for part in range(st.copies_per_chunk):
-        first = start + part * rows
-        page = _page_of(st, table_ref, item, first)
-        within = lax.rem(first, i32(st.page_size))
+      for part, page in enumerate(pages):
+        within = lax.rem(start + part * rows, i32(st.page_size))
         plgpu.copy_gmem_to_smem(
             src.at[page, pl.ds(within, rows), item.kv_head],
             dst.at[slot, pl.ds(part * rows, rows)], ready.at[slot])
@@ -247,15 +255,20 @@ def _produce(st: _Static, refs: dict, smem: _Scratch, cta) -> None:
         q_ref.at[item.b, item.kv_head, pl.ds(item.row_tile * ROWS, ROWS)],
         smem.q.at[q_slot], smem.q_ready.at[q_slot])
 
-    @pl.loop(0, item.count)
-    def _chunk(j):
+    def chunk_step(j, pages):
+      # The next chunk's table entries are read before this chunk waits
+      # for its slot, so that their latency is not waited for in turn.
+      following = pages_of(item, item.first_chunk + j + 1)
       slot = lax.rem(step + j, i32(st.stages))
 
       @pl.when(step + j >= st.stages)
       def _():
         plgpu.barrier_wait(smem.k_free.at[slot])
         plgpu.barrier_wait(smem.v_free.at[slot])
-      copy_chunk(item, item.first_chunk + j, slot)
+      copy_chunk(item, item.first_chunk + j, slot, pages)
+      return following
+    lax.fori_loop(i32(0), item.count, chunk_step,
+                  pages_of(item, item.first_chunk))
     return step + item.count
 
   _for_each_item(st, refs["lengths"], cta, produce_item)
