@@ -722,7 +722,7 @@ def test_hopper_kernel_split_counts_and_default_agree():
   match the reference; the default decode implementation on a Hopper GPU
   is the kernel."""
   rng = fresh_rng()
-  problem = make_problem(rng, batch=2, num_new=1, heads=(32, 8),
+  problem = make_problem(rng, batch=3, num_new=1, heads=(32, 8),
                          head_dim=128, capacity=2048, page_size=64,
                          dtype=jnp.bfloat16)
   for splits in (1, 5, None):
