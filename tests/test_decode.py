@@ -267,6 +267,31 @@ def test_mosaic_tpu_declines_off_tpu_without_interpret():
                                 np.asarray(jflash.decode_attention(*args)))
 
 
+def poisoned(problem: Problem, paged: bool) -> Problem:
+  """The problem with NaN in every cache slot no new token sees; paged,
+  also NaN in every page no sequence reads and -1 in the table entries of
+  pages outside every key range (never dereferenced)."""
+  seen = problem.visibility[:, 0].any(1)  # [B, S]
+  poison = lambda x: jnp.where(jnp.asarray(seen)[..., None, None], x,
+                               jnp.nan)
+  dirty = dataclasses.replace(problem, key=poison(problem.key),
+                              value=poison(problem.value))
+  if not paged:
+    return dirty
+  page_size = problem.key_pages.shape[1]
+  pages_seen = seen.reshape(seen.shape[0], -1, page_size).any(-1)
+  table = problem.table.copy()
+  table[~pages_seen] = -1
+  k_pages = jnp.full_like(problem.key_pages, jnp.nan)
+  v_pages = k_pages
+  for b, j in zip(*np.nonzero(pages_seen)):
+    block = slice(j * page_size, (j + 1) * page_size)
+    k_pages = k_pages.at[table[b, j]].set(dirty.key[b, block])
+    v_pages = v_pages.at[table[b, j]].set(dirty.value[b, block])
+  return dataclasses.replace(dirty, table=table, key_pages=k_pages,
+                             value_pages=v_pages)
+
+
 @pytest.mark.parametrize("paged,kind", [(False, "xla"), (True, "xla"),
                                         (True, "mosaic_tpu")])
 def test_slots_and_pages_no_query_sees_are_never_used(paged, kind):
@@ -280,25 +305,7 @@ def test_slots_and_pages_no_query_sees_are_never_used(paged, kind):
                           backend=backend(8, 2, kind),
                           interpret=kind == "mosaic_tpu")
   clean = run(problem)
-  seen = problem.visibility[:, 0].any(1)  # [B, S]
-  poison = lambda x: jnp.where(jnp.asarray(seen)[..., None, None], x,
-                               jnp.nan)
-  dirty = dataclasses.replace(problem, key=poison(problem.key),
-                              value=poison(problem.value))
-  if paged:
-    page_size = problem.key_pages.shape[1]
-    pages_seen = seen.reshape(seen.shape[0], -1, page_size).any(-1)
-    table = problem.table.copy()
-    table[~pages_seen] = -1  # never dereferenced
-    nan_pages = jnp.full_like(problem.key_pages, jnp.nan)
-    k_pages, v_pages = nan_pages, nan_pages
-    for b, j in zip(*np.nonzero(pages_seen)):
-      block = slice(j * page_size, (j + 1) * page_size)
-      k_pages = k_pages.at[table[b, j]].set(dirty.key[b, block])
-      v_pages = v_pages.at[table[b, j]].set(dirty.value[b, block])
-    dirty = dataclasses.replace(dirty, table=table, key_pages=k_pages,
-                                value_pages=v_pages)
-  got = run(dirty)
+  got = run(poisoned(problem, paged))
   for g, c in zip(got, clean):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
 
@@ -690,24 +697,7 @@ def test_hopper_kernel_never_uses_slots_no_query_sees(paged):
   run = functools.partial(Problem.decode, paged=paged,
                           backend=_gpu_backend(num_splits=3))
   clean = run(problem)
-  seen = problem.visibility[:, 0].any(1)  # [B, S]
-  poison = lambda x: jnp.where(jnp.asarray(seen)[..., None, None], x,
-                               jnp.nan)
-  dirty = dataclasses.replace(problem, key=poison(problem.key),
-                              value=poison(problem.value))
-  if paged:
-    page_size = problem.key_pages.shape[1]
-    pages_seen = seen.reshape(seen.shape[0], -1, page_size).any(-1)
-    table = problem.table.copy()
-    table[~pages_seen] = -1
-    k_pages = jnp.full_like(problem.key_pages, jnp.nan)
-    v_pages = k_pages
-    for b, j in zip(*np.nonzero(pages_seen)):
-      block = slice(j * page_size, (j + 1) * page_size)
-      k_pages = k_pages.at[table[b, j]].set(dirty.key[b, block])
-      v_pages = v_pages.at[table[b, j]].set(dirty.value[b, block])
-    dirty = dataclasses.replace(dirty, table=table, key_pages=k_pages,
-                                value_pages=v_pages)
+  dirty = poisoned(problem, paged)
   for _ in range(2):
     got = run(dirty)
     for g, c in zip(got, clean):
