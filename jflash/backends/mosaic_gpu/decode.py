@@ -45,7 +45,7 @@ from jflash.backends.base import check_config
 from jflash.backends.decode_base import DecodeCall
 from jflash.backends.decode_xla import (group_rows, merge_normalized,
                                         ungroup_rows)
-from jflash.backends.mosaic_gpu import common
+from jflash.backends.mosaic_gpu import common, is_hopper
 from jflash.backends.mosaic_gpu.common import (
     COL, ROW, LogitTransform, broadcast_cols, broadcast_rows, i32)
 
@@ -471,12 +471,6 @@ def decode_kernel_call(st: _Static, q: Array, key: Array, value: Array,
       kernel_name="jflash_decode", consumers=1)
 
 
-def _is_hopper() -> bool:
-  # Imported here: the package's __init__ imports the training kernels.
-  from jflash.backends import mosaic_gpu
-  return mosaic_gpu.is_hopper()
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuDecodeBackend:
   """The Hopper decode kernel.
@@ -515,7 +509,7 @@ class MosaicGpuDecodeBackend:
       raise NotImplementedError(f"Hopper decode kernel: {reason}")
     if call.interpret:
       decline("it uses wgmma, which Pallas interpret mode cannot run")
-    if not _is_hopper():
+    if not is_hopper():
       decline("it needs a Hopper GPU (compute capability 9.x)")
     if call.dtype not in (jnp.bfloat16, jnp.float16):
       decline(f"it computes in bfloat16/float16 only, got {call.dtype}")
