@@ -722,3 +722,51 @@ def test_hopper_kernel_split_counts_and_default_agree():
   kernel = problem.decode(True, _gpu_backend())
   np.testing.assert_array_equal(np.asarray(default[0]),
                                 np.asarray(kernel[0]))
+
+
+def test_decode_inside_a_checked_shard_map():
+  """Inside a user's jax.shard_map that checks how values vary over the
+  mesh (check_vma, the default), decoding runs per shard and equals the
+  unsharded call; the Hopper kernels (decode, attention and its gradient)
+  lower for CUDA there too, their outputs varying as their inputs."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jflash.backends import mosaic_gpu
+  rng = fresh_rng()
+  mesh = jax.make_mesh((2,), ("d",))
+  problem = make_problem(rng, batch=4, num_new=2, heads=(4, 2),
+                         window=(9, 0), page_size=4)
+  decode = lambda q, k, v, n: jflash.decode_attention(
+      q, k, v, n, local_window_size=problem.window)
+  sharded = jax.jit(jax.shard_map(decode, mesh=mesh,
+                                  in_specs=(P("d"),) * 4, out_specs=P("d")))
+  spec = NamedSharding(mesh, P("d"))
+  args = (problem.query, problem.key, problem.value,
+          jnp.asarray(problem.lengths))
+  got = sharded(*jax.device_put(args, spec))
+  np.testing.assert_allclose(np.asarray(got),
+                             np.asarray(jax.jit(decode)(*args)),
+                             rtol=1e-6, atol=1e-6)
+
+  qkv = jax.ShapeDtypeStruct((4, 128, 4, 64), jnp.bfloat16, sharding=spec)
+
+  def grads(q, k, v):
+    loss = lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic_gpu").astype(
+            jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  step = jax.shard_map(grads, mesh=mesh, in_specs=(P("d"),) * 3,
+                       out_specs=(P("d"),) * 3)
+  cache = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=spec)
+  new = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16, sharding=spec)
+  lengths = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=spec)
+  kernel_decode = jax.shard_map(
+      lambda q, k, v, n: jflash.decode_attention(
+          q, k, v, n, implementation="mosaic_gpu"),
+      mesh=mesh, in_specs=(P("d"),) * 4, out_specs=P("d"))
+  with mosaic_gpu.lowering_for_hopper():
+    text = jax.jit(step).trace(qkv, qkv, qkv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+    text = jax.jit(kernel_decode).trace(new, cache, cache, lengths).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1

@@ -101,6 +101,28 @@ def varying_result(shape: tuple[int, ...], dtype, inputs) -> jax.ShapeDtypeStruc
       manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
+def vary_as_inputs(outputs, inputs):
+  """``outputs`` (a pytree) cast to vary over every mesh axis that any of
+  ``inputs`` varies over, for kernels whose outputs' types cannot say so
+  (Mosaic GPU's): inside a ``jax.shard_map`` that checks how values vary
+  (``check_vma``), an element-wise function of the inputs varies as they
+  do, and a ``custom_vjp``'s cotangents must match its primal inputs'
+  types.  Outside a ``shard_map`` nothing varies and nothing changes."""
+  varying = frozenset()
+  for x in jax.tree.leaves(inputs):
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    if mat is not None:
+      varying |= mat.varying
+
+  def cast(x):
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    missing = varying - (mat.varying if mat is not None else frozenset())
+    if not missing:
+      return x
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+  return jax.tree.map(cast, outputs)
+
+
 def check_config(config, positive_ints: tuple[str, ...],
                  optional: tuple[str, ...] = ()) -> None:
   """``ValueError`` naming the field unless each of ``positive_ints`` (or

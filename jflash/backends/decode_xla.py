@@ -201,9 +201,11 @@ def _split_partial(call: DecodeCall, plan: _Plan, q_rows: Array,
     acc = alpha[..., None] * acc + _mm(plan, "bkrc,bckh->bkrh", p, v)
     return m_new, l, acc
 
-  acc0 = jnp.zeros(q_rows.shape, plan.compute_dtype)
-  init = (jnp.full(acc0.shape[:-1], -jnp.inf, plan.compute_dtype),
-          jnp.zeros(acc0.shape[:-1], plan.compute_dtype), acc0)
+  # From the queries: inside a shard_map that checks how values vary over
+  # mesh axes, the carry varies as the loop's results do.
+  acc0 = jnp.zeros_like(q_rows, plan.compute_dtype)
+  init = (jnp.full_like(acc0[..., 0], -jnp.inf), jnp.zeros_like(acc0[..., 0]),
+          acc0)
   # Chunks past every sequence's key range are not visited at all.
   trip = jnp.clip(num_needed.max() - split * plan.per_split, 0,
                   plan.per_split)

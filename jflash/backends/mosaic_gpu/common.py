@@ -20,6 +20,7 @@ from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from jflash import masks
+from jflash.backends.base import vary_as_inputs
 
 Array = jax.Array
 
@@ -388,16 +389,20 @@ def warp_specialized_kernel(setup: Callable, args, *, scratch, out_type,
   ``scratch``.
 
   ``setup(*refs)`` gets the global-memory refs of ``args`` and the outputs
-  (in that order) and returns ``body(scratch_refs)``, which runs with
-  ``scratch`` (a pytree of ``plgpu.SMEM`` and ``plgpu.Barrier``, e.g. a
-  dataclass of named buffers) allocated once for all warpgroups.
+  (``out_type``, shapes and dtypes) in that order and returns
+  ``body(scratch_refs)``, which runs with ``scratch`` (a pytree of
+  ``plgpu.SMEM`` and ``plgpu.Barrier``, e.g. a dataclass of named buffers)
+  allocated once for all warpgroups.
   """
   def kernel(*refs):
     pl.run_scoped(setup(*refs), scratch, collective_axes="wg")
-  return plgpu.kernel(
+  out = plgpu.kernel(
       kernel, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=consumers + 1, thread_name="wg", kernel_name=kernel_name,
       compiler_params=COMPILER_PARAMS)(*args)
+  # Mosaic GPU's output types carry no mesh axes; inside a checked
+  # shard_map the outputs vary as the inputs do.
+  return vary_as_inputs(out, args)
 
 
 def split_warpgroups(wg: Array, consumer: Callable[[], None],
