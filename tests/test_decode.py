@@ -770,3 +770,44 @@ def test_decode_inside_a_checked_shard_map():
     text = jax.jit(kernel_decode).trace(new, cache, cache, lengths).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("field,value", [("block_kv", 96), ("block_kv", 0),
+                                         ("stages", 1), ("stages", 2.0),
+                                         ("num_splits", 0)])
+def test_hopper_config_rejects_bad_values(field, value):
+  from jflash.backends.mosaic_gpu.decode import MosaicGpuDecodeConfig
+  with pytest.raises(ValueError, match=f"MosaicGpuDecodeConfig.{field}"):
+    MosaicGpuDecodeConfig(**{field: value})
+
+
+def test_hopper_config_reaches_the_kernel_plan():
+  """Chunk, ring depth (capped by shared memory) and split count follow the
+  config; the default split count fills the SMs and never exceeds the
+  chunks a sequence can need."""
+  from jflash.backends.mosaic_gpu import common
+  from jflash.backends.mosaic_gpu.decode import (MosaicGpuDecodeBackend,
+                                                 MosaicGpuDecodeConfig)
+  rng = fresh_rng()
+  problem = make_problem(rng, batch=3, num_new=1, heads=(8, 2),
+                         head_dim=128, capacity=4096, dtype=jnp.bfloat16)
+  call = jflash.decode._canonical_call(
+      problem.query, problem.key, problem.value, problem.lengths, None,
+      None, None, None)
+  plan = lambda **c: MosaicGpuDecodeBackend(
+      MosaicGpuDecodeConfig(**c))._static(call)
+  default = plan()
+  assert (default.block_kv, default.stages) == (64, 4)
+  assert default.num_splits == common.num_sms() // (3 * 2)
+  custom = plan(block_kv=128, stages=2, num_splits=5)
+  assert (custom.block_kv, custom.stages, custom.num_splits) == (128, 2, 5)
+  assert plan(stages=3).stages == 3
+  assert plan(num_splits=1000).num_splits == 4096 // 64
+  assert plan(block_kv=128, stages=9).stages == 2  # what fits beside Q
+  head_256 = make_problem(rng, batch=3, num_new=1, heads=(4, 4),
+                          head_dim=256, capacity=512, dtype=jnp.bfloat16)
+  call = jflash.decode._canonical_call(
+      head_256.query, head_256.key, head_256.value, head_256.lengths, None,
+      None, None, None)
+  st = MosaicGpuDecodeBackend()._static(call)
+  assert (st.q_buffers, st.stages) == (1, 2)
