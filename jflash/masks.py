@@ -395,6 +395,46 @@ def decode_visibility(lengths: Array, num_new: int, key_positions: Array, *,
   return (pos >= lo[..., None]) & (pos < hi[..., None])
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeBounds:
+  """What the new queries of a sequence see, in a few values shaped as its
+  lengths (``[B]``, or scalars in a kernel): computed once per sequence,
+  then :func:`decode_chunk_class` classifies each chunk from it.
+
+  Attributes:
+    first, end: the key range of :func:`decode_key_range`.
+    common_lo, common_hi: every new query sees every slot ``common_lo <= s
+      < common_hi`` (the last query's ``lo`` and the first query's ``hi``;
+      none when ``common_hi <= common_lo``).
+  """
+
+  first: Array
+  end: Array
+  common_lo: Array
+  common_hi: Array
+
+
+def decode_bounds(lengths: Array, num_new: int, *, kv_len: int,
+                  window: tuple[int, int] | None) -> DecodeBounds:
+  """The :class:`DecodeBounds` of sequences with these lengths (elementwise:
+  ``[B]``, or scalars in a kernel)."""
+  lengths = jnp.asarray(lengths, jnp.int32)
+  bounds = functools.partial(decode_row_bounds_at, lengths=lengths,
+                             num_new=num_new, kv_len=kv_len, window=window)
+  # Both ends of a query's interval are nondecreasing in t, so the hull
+  # runs from the first query that sees anything (the first whose position
+  # lengths - T + t is not negative) to the last query's end, and the
+  # slots all queries see from the last query's lo to the first one's hi.
+  first_seeing = jnp.clip(num_new - lengths, 0, num_new - 1)
+  first, first_seeing_hi = bounds(first_seeing)
+  last_lo, end = bounds(jnp.full_like(lengths, num_new - 1))
+  _, first_hi = bounds(jnp.zeros_like(lengths))
+  seen = first_seeing_hi > first
+  return DecodeBounds(first=jnp.where(seen, first, 0),
+                      end=jnp.where(seen, end, 0),
+                      common_lo=last_lo, common_hi=first_hi)
+
+
 def decode_key_range(lengths: Array, num_new: int, *, kv_len: int,
                      window: tuple[int, int] | None) -> tuple[Array, Array]:
   """int32 ``(first, end)`` shaped as ``lengths`` (``[B]``, or a scalar in
@@ -402,44 +442,24 @@ def decode_key_range(lengths: Array, num_new: int, *, kv_len: int,
   of the sequence sees (``first == end == 0`` when none sees any).  A
   decode kernel reads only these slots (with a window, only the window's
   pages).
-
-  Both ends of a query's interval are nondecreasing in ``t``, so the hull
-  runs from the first query that sees anything (the first whose position
-  ``lengths - T + t`` is not negative) to the last query's end.
   """
-  lengths = jnp.asarray(lengths, jnp.int32)
-  first_seeing = jnp.clip(num_new - lengths, 0, num_new - 1)
-  bounds = functools.partial(decode_row_bounds_at, lengths=lengths,
-                             num_new=num_new, kv_len=kv_len, window=window)
-  first, first_hi = bounds(first_seeing)
-  _, end = bounds(jnp.full_like(lengths, num_new - 1))
-  seen = first_hi > first
-  return jnp.where(seen, first, 0), jnp.where(seen, end, 0)
+  bounds = decode_bounds(lengths, num_new, kv_len=kv_len, window=window)
+  return bounds.first, bounds.end
 
 
-def decode_chunk_class(lengths: Array, num_new: int, start: Array,
-                       chunk: int, *, kv_len: int,
-                       window: tuple[int, int] | None
+def decode_chunk_class(bounds: DecodeBounds, start: Array, chunk: int
                        ) -> tuple[Array, Array]:
   """What a decode kernel must do with the cache slots ``start .. start +
-  chunk - 1`` of a sequence (elementwise; scalars in a kernel).
+  chunk - 1`` of a sequence with these :func:`decode_bounds`
+  (elementwise; scalars in a kernel).
 
   Returns bool ``(full, unseen)``: ``full`` when every new query sees every
   slot (the element mask can be skipped); ``unseen`` when some slot is
   outside :func:`decode_key_range` (no query sees it: its value may hold
   anything, NaN included, and must not reach the value product).
   """
-  lengths = jnp.asarray(lengths, jnp.int32)
-  bounds = functools.partial(decode_row_bounds_at, lengths=lengths,
-                             num_new=num_new, kv_len=kv_len, window=window)
-  # lo and hi are nondecreasing in t: the last query has the highest lo,
-  # the first the lowest hi (its hi <= lo when it sees nothing).
-  _, first_hi = bounds(jnp.zeros_like(lengths))
-  last_lo, _ = bounds(jnp.full_like(lengths, num_new - 1))
-  full = (start >= last_lo) & (start + chunk <= first_hi)
-  first, end = decode_key_range(lengths, num_new, kv_len=kv_len,
-                                window=window)
-  unseen = (start < first) | (start + chunk > end)
+  full = (start >= bounds.common_lo) & (start + chunk <= bounds.common_hi)
+  unseen = (start < bounds.first) | (start + chunk > bounds.end)
   return full, unseen
 
 

@@ -335,9 +335,10 @@ def test_decode_chunk_class_matches_brute_force():
     chunk = int(rng.integers(1, 9))
     starts = np.arange(-8, kv_len + 8 - chunk + 1, dtype=np.int32)
     for b, length in enumerate(lengths):
-      full, unseen = masks.decode_chunk_class(
-          jnp.int32(length), num_new, jnp.asarray(starts), chunk,
-          kv_len=kv_len, window=window)
+      bounds = masks.decode_bounds(jnp.int32(length), num_new,
+                                   kv_len=kv_len, window=window)
+      full, unseen = masks.decode_chunk_class(bounds, jnp.asarray(starts),
+                                              chunk)
       for i, start in enumerate(starts):
         block = vis[b, :, start + 8:start + 8 + chunk]
         info = (seed, num_new, kv_len, int(length), window, int(start),

@@ -176,6 +176,7 @@ class _Item:
   row_tile: Array
   split: Array
   length: Array  # the sequence's valid slots
+  bounds: masks.DecodeBounds  # what its new queries see
   first_chunk: Array  # the run's first chunk
   count: Array  # chunks in the run
 
@@ -193,8 +194,9 @@ def _item_at(st: _Static, lengths_ref, cta, n) -> _Item:
   kv_head = lax.rem(rest, i32(st.kv_heads))
   b = lax.div(rest, i32(st.kv_heads))
   length = lengths_ref[b]
-  first, end = masks.decode_key_range(length, st.num_new,
-                                      kv_len=st.capacity, window=st.window)
+  bounds = masks.decode_bounds(length, st.num_new, kv_len=st.capacity,
+                               window=st.window)
+  first, end = bounds.first, bounds.end
   block = i32(st.block_kv)
   chunk0 = lax.div(first, block)
   needed = jnp.where(end > first, lax.div(end - 1, block) - chunk0 + 1, 0)
@@ -203,7 +205,8 @@ def _item_at(st: _Static, lengths_ref, cta, n) -> _Item:
   start = split * per_split
   count = jnp.clip(needed - start, 0, per_split)
   return _Item(exists=exists, b=b, kv_head=kv_head, row_tile=row_tile,
-               split=split, length=length, first_chunk=chunk0 + start,
+               split=split, length=length, bounds=bounds,
+               first_chunk=chunk0 + start,
                count=count)
 
 
@@ -330,9 +333,8 @@ class _Consumer:
     acc, m, l = carry
     slot = self.slot_of(j)
     start = (self.item.first_chunk + j) * st.block_kv
-    full, unseen = masks.decode_chunk_class(
-        self.item.length, st.num_new, start, st.block_kv,
-        kv_len=st.capacity, window=st.window)
+    full, unseen = masks.decode_chunk_class(self.item.bounds, start,
+                                            st.block_kv)
     tile = (ROWS, st.block_kv)
     plgpu.barrier_wait(smem.k_ready.at[slot])
 
@@ -372,8 +374,7 @@ class _Consumer:
     """Zeroes the rows of V's ``slot`` (the chunk from cache slot
     ``start``) outside the sequence's key range, for the tensor cores."""
     st = self.st
-    first, end = masks.decode_key_range(self.item.length, st.num_new,
-                                        kv_len=st.capacity, window=st.window)
+    first, end = self.item.bounds.first, self.item.bounds.end
     shape = (st.block_kv, st.head_dim)
     ref = self.smem.v.at[slot]
     values = plgpu.load(ref, layout=plgpu.Layout.WGMMA)
