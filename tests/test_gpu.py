@@ -344,6 +344,36 @@ def test_mosaic_gpu_explicitly_sharded_inputs_on_two_gpus(axis):
     assert collective not in hlo
 
 
+def test_mosaic_gpu_inside_a_checked_shard_map():
+  """Inside a user's jax.shard_map with check_vma (its default) over every
+  GPU, the kernels' forward, their gradients and the decode kernel run per
+  shard and give the numbers of the unsharded call."""
+  rng, seed = conformance.new_rng()
+  devices = len(jax.devices())
+  b, t, n, k, h = 2 * devices, 300, 4, 2, 128
+  q = random_normal(rng, (b, t, n, h), jnp.bfloat16)
+  key = random_normal(rng, (b, t, k, h), jnp.bfloat16)
+  value = random_normal(rng, (b, t, k, h), jnp.bfloat16)
+  cot = random_normal(rng, (b, t, n, h), jnp.bfloat16)
+  lengths = jnp.asarray(rng.integers(0, t + 1, size=(b,)), jnp.int32)
+
+  def step(q, key, value, cot, lengths):
+    out, vjp = jax.vjp(lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic_gpu"), q, key, value)
+    decoded = jflash.decode_attention(q[:, :1], key, value, lengths,
+                                      implementation="mosaic_gpu")
+    return out, vjp(cot), decoded
+
+  mesh = jax.make_mesh((devices,), ("x",))
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"),) * 5,
+                                  out_specs=P("x")))
+  args = (q, key, value, cot, lengths)
+  got = sharded(*jax.device_put(args, NamedSharding(mesh, P("x"))))
+  want = jax.jit(step)(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(g, w) < 1e-3, f"seed={seed}"
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_mosaic_gpu_row_maxima_that_keep_growing(is_causal, dtype):
