@@ -559,8 +559,9 @@ def _gpu_backend(**config):
 
 
 # (T, heads (N, K), head dim, capacity, page size or None, window, soft cap,
-# config): GQA groups of one to 64 rows and several row tiles, every head
-# dim, pages shorter than a chunk, equal to it and longer.
+# config): GQA groups of one to 64 rows and several row tiles, one split
+# and several, every head dim, pages shorter than a chunk, equal to it and
+# longer.
 GPU_CASES = [
     (1, (32, 8), 128, 1024, None, None, None, {}),
     (1, (8, 2), 128, 1008, 16, (100, 0), None, {}),
@@ -570,6 +571,7 @@ GPU_CASES = [
     (16, (16, 4), 128, 640, 128, (200, 0), 4.0, dict(block_kv=128)),
     (8, (32, 8), 128, 4096, 64, None, None, dict(stages=2, num_splits=1)),
     (3, (8, 8), 256, 48, None, None, None, {}),
+    (1, (8, 8), 64, 520, None, None, None, dict(num_splits=1)),
 ]
 
 
