@@ -13,7 +13,7 @@ runs.  For every cell measured for both backends, the entry names the
 faster backend for the forward pass alone (inference) and for forward plus
 backward (training).  The GPU model comes from ``grid.json``'s device kind
 or ``--gpu``.  The output is Python source for
-``jflash/backends/gpu_table.py``'s ``TABLE``, printed to stdout.
+``jflash/core/gpu_table.py``'s ``TABLE``, printed to stdout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from jflash.backends import gpu_table
+from jflash.core import gpu_table
 
 _MOSAIC = "mosaic_gpu"
 _CUDNN = "cudnn"

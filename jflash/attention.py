@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -12,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jflash.backends import BACKENDS, context, default_order, dispatch, sharding
-from jflash.backends.base import AttentionCall, Backend
+from jflash.core import dispatch, registry
+from jflash.core.call import AttentionCall
+from jflash.core.platform import PLATFORMS, host_target, lowering_for
 from jflash.masks import AttentionMask
 from jflash.parallel import ContextParallel
 
@@ -342,6 +344,14 @@ def _check_parallel(parallel: Any) -> ContextParallel | None:
                    f"jflash.ContextParallel, got {parallel!r}")
 
 
+def _shards(parallel: ContextParallel | None) -> int:
+  """How many shards the local arrays are of (1 unless inside a
+  ``shard_map`` with ``axis_name``)."""
+  if parallel is None or parallel.axis_name is None:
+    return 1
+  return parallel.axis_size()
+
+
 def _concrete_float(x: Any, name: str, dtype) -> float:
   """A Python number for a constant of the computation in ``dtype``: finite
   there, with room for the constants backends derive from it (such as
@@ -359,34 +369,6 @@ def _concrete_float(x: Any, name: str, dtype) -> float:
                      f"the largest {np.dtype(dtype).name}, the dtype the "
                      f"attention computes in), got {value!r}")
   return value
-
-
-def _is_backend(x: Any) -> bool:
-  return (not isinstance(x, str) and callable(x)
-          and isinstance(getattr(x, "name", None), str))
-
-
-def _requested_backends(implementation: Any) -> tuple[Backend, ...] | None:
-  """The backends to try, in order; None for the default order of each
-  lowering platform."""
-  if implementation is None:
-    return None
-  if isinstance(implementation, str) or _is_backend(implementation):
-    entries = (implementation,)
-  elif isinstance(implementation, Sequence):
-    entries = tuple(implementation)
-  else:
-    entries = ()
-  if not entries or not all(isinstance(e, str) or _is_backend(e)
-                            for e in entries):
-    raise ValueError("implementation must be None, a backend name, a backend "
-                     "object (such as jflash.backends.XlaBackend(config)) or a "
-                     f"non-empty sequence of those, got {implementation!r}")
-  unknown = [e for e in entries if isinstance(e, str) and e not in BACKENDS]
-  if unknown:
-    raise ValueError(f"implementation: unknown backend name(s) {unknown}; "
-                     f"known: {sorted(BACKENDS)}")
-  return tuple(BACKENDS[e] if isinstance(e, str) else e for e in entries)
 
 
 def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
@@ -491,119 +473,6 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
   return call, unbatched
 
 
-def _dispatch(call: AttentionCall, backends: tuple[Backend, ...] | None,
-              platform: str | None = None,
-              for_training: bool = False,
-              parallel: ContextParallel | None = None
-              ) -> tuple[Array, Array, str]:
-  """``(out, lse, name of the backend chosen for platform)``.
-
-  A call whose sequences are sharded (``parallel.axis_name`` inside a
-  ``shard_map``, or an explicitly sequence-sharded query) runs context
-  parallelism (:mod:`jflash.backends.context`) with the first backend of
-  the training order that serves its blocks.
-
-  ``backends=None`` (``implementation=None``): each lowering platform's
-  default orders (:func:`jflash.backends.call_orders`), the branches joined
-  in one per-platform call; the name reported is the host's choice.
-  With ``platform``, only that platform's order is traced, its training
-  order with ``for_training``.
-  """
-  if platform is not None:
-    call = dataclasses.replace(call, platform=platform)
-  if parallel is not None and parallel.axis_name is not None:
-    return _run_context(call, backends, parallel, parallel.axis_name,
-                        _axis_size(parallel.axis_name), platform,
-                        for_training)
-  if (sharding.sequence_axes(call) is not None and call.bias is None
-      and call.mask.dense is None):
-    parallel = parallel or ContextParallel()
-    names = []
-
-    def run_local(local, axis, size):
-      out, lse, name = _run_context(local, backends, parallel, axis, size,
-                                    platform, for_training)
-      names.append(name)
-      return out, lse
-
-    out, lse = sharding.run_sequence_sharded(call, run_local)
-    return out, lse, names[0]
-  if parallel is not None:
-    # Unsharded, every layout is the contiguous one (one shard); under a
-    # mesh of Auto axes the sharding is not known while tracing.
-    if (parallel.layout != "contiguous"
-        and jax.sharding.get_abstract_mesh().size > 1):
-      raise ValueError(
-          f"context_parallel.layout={parallel.layout!r} says where each "
-          "shard's positions lie, which needs the sequence sharding known "
-          "while tracing: shard the inputs over Explicit mesh axes, or call "
-          "inside jax.shard_map with context_parallel.axis_name; with Auto "
-          "mesh axes (or no sharded sequence) use layout='contiguous'")
-    # The strategy, for kernels partitioned under Auto mesh axes that find
-    # the sequence sharded (jflash.backends.partitioning).
-    call = dataclasses.replace(call, context_parallel=parallel)
-  return dispatch.serve(call, backends, platform, for_training)
-
-
-def _shards(parallel: ContextParallel | None) -> int:
-  """How many shards the local arrays are of (1 unless inside a
-  ``shard_map`` with ``axis_name``)."""
-  if parallel is None or parallel.axis_name is None:
-    return 1
-  return _axis_size(parallel.axis_name)
-
-
-def _axis_size(axis_name: str | tuple[str, ...]) -> int:
-  try:
-    return lax.axis_size(axis_name)
-  except NameError as err:
-    raise ValueError(
-        f"context_parallel.axis_name={axis_name!r} names no mesh axis bound "
-        "here; pass it inside a jax.shard_map over that axis (outside one, "
-        "shard the inputs' sequence axis and leave axis_name None)") from err
-
-
-def _run_context(call: AttentionCall, backends: tuple[Backend, ...] | None,
-                 parallel: ContextParallel, axis, size: int,
-                 platform: str | None, for_training: bool
-                 ) -> tuple[Array, Array, str]:
-  """Context parallelism over ``axis`` (``size`` shards) on a call that
-  holds one shard of each sequence."""
-  if call.bias is not None or call.mask.dense is not None:
-    raise ValueError(
-        "context_parallel: a bias or a dense boolean mask cannot follow a "
-        "sharded sequence; express the mask with is_causal, "
-        "local_window_size, segment_ids and lengths")
-  num_heads, num_kv_heads = call.query.shape[2], call.key.shape[2]
-  plan = parallel.plan(axis, size, num_heads, num_kv_heads)
-  plan.validate(call.query.shape[1], call.key.shape[1])
-
-  def sharded(order: tuple[Backend, ...]) -> tuple[Backend, ...]:
-    return tuple(context.ContextBackend(b, plan) for b in order)
-
-  names = []
-
-  def served(call: AttentionCall) -> tuple[Array, Array]:
-    if backends is not None:
-      out, lse, name = dispatch.run(call, sharded(backends))
-    elif platform is not None:
-      inference, training = dispatch.default_orders(call, platform)
-      out, lse, name = dispatch.run(call, sharded(training if for_training
-                                                  else inference))
-    else:
-      orders = {p: tuple(sharded(order)
-                         for order in dispatch.default_orders(call, p))
-                for p in dispatch.PLATFORMS}
-      out, lse, chosen = dispatch.run_per_platform(call, orders)
-      name = chosen.get(dispatch.host_platform(), chosen.get("cpu"))
-    names.append(name)
-    return out, lse
-
-  out, lse = dispatch.serve_reverse_only(
-      call, served, "for a context-parallel (sequence-sharded) call")
-  return out, lse, names[0]
-
-
 def dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -653,12 +522,19 @@ def dot_product_attention(
       exactly (64-bit ids are renumbered, never truncated).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
-    implementation: ``None`` (the best backend for the platform; always
-      succeeds), a backend name (``"xla"``, ``"cudnn"``, ``"mosaic_gpu"``,
-      ``"mosaic_tpu"``), a configured backend object (for example
-      ``jflash.backends.XlaBackend(XlaConfig(block_q=256))``), or a sequence
-      of those tried in order; a backend that cannot serve the call declines
-      and the next is tried.
+    implementation: ``None`` (the best backend for the platform the call is
+      traced for; always succeeds), a backend name (``"xla"``,
+      ``"cudnn"``, ``"mosaic_gpu"``, ``"mosaic_tpu"``), a configured
+      backend object (for example
+      ``jflash.backends.XlaBackend(XlaConfig(block_q=256))``), or a
+      sequence of those tried in order; a backend that cannot serve the
+      call declines and the next is tried.  A mapping from lowering
+      platforms to any of these (``{"cpu": None, "tpu": "mosaic_tpu"}``)
+      traces the call once per platform named, for a program lowered for
+      several platforms.  The platform a call is traced for is the device
+      platform of the inputs' mesh or of the ambient mesh, else this
+      host's (``jflash.lowering_for`` names another; see
+      ``docs/backends.md``).
     return_residual: also return the logsumexp.
     interpret: run the Pallas kernels in Pallas's interpret mode, which works
       on the CPU (slow; for verification and debugging).  ``mosaic_tpu``
@@ -695,11 +571,11 @@ def dot_product_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, return_residual=return_residual,
       interpret=interpret, shards=_shards(parallel))
-  backends = _requested_backends(implementation)
+  request = dispatch.parse_request(implementation)
   if _is_empty(call):
     out, lse = _empty_result(call)
   else:
-    out, lse, _ = _dispatch(call, backends, parallel=parallel)
+    out, lse, _ = dispatch.attention(call, request, parallel)
   if unbatched:
     out, lse = out[0], lse[0]
   if return_residual:
@@ -736,7 +612,7 @@ def _empty_result(call: AttentionCall) -> tuple[Array, Array]:
   padded = dataclasses.replace(
       call, query=jnp.pad(q, widths), key=jnp.pad(call.key, widths),
       value=jnp.pad(call.value, widths))
-  out, lse = BACKENDS[_EMPTY_RESULT_BACKEND](padded)
+  out, lse = registry.BACKENDS[_EMPTY_RESULT_BACKEND](padded)
   return out[..., :0], lse
 
 
@@ -766,10 +642,10 @@ def selected_implementation(
   nothing.
 
   Args:
-    platform: with ``implementation=None``, the lowering platform to report
-      the choice for (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default:
-      this host's).  A jitted call holds one branch per platform and runs
-      the lowered platform's.
+    platform: the lowering platform to report the choice for (``"cpu"``,
+      ``"cuda"``, ``"rocm"``, ``"tpu"``, or ``"gpu"`` for ``"cuda"``),
+      as if traced inside :func:`jflash.lowering_for`; default: the
+      platform the call is traced for here.
     for_training: with ``implementation=None``, the backend of a call whose
       derivative is taken (on Hopper GPUs it may differ from the backend of
       a forward-only call; see ``docs/backends.md``).
@@ -777,14 +653,16 @@ def selected_implementation(
   if not isinstance(for_training, (bool, np.bool_)):
     raise ValueError(f"for_training must be a bool, got {for_training!r}")
   parallel = _check_parallel(context_parallel)
+  request = dispatch.parse_request(implementation)
+  scope = contextlib.nullcontext()
   if platform is not None:
-    default_order(platform)  # validates the name
-    if platform == "gpu":
-      platform = "cuda"
-  elif implementation is None:
-    platform = dispatch.host_platform()
-    if platform not in dispatch.PLATFORMS:
-      platform = "cpu"
+    platform = "cuda" if platform == "gpu" else platform
+    if platform not in PLATFORMS:
+      raise ValueError(f"selected_implementation: unknown platform "
+                       f"{platform!r}; known: {list(PLATFORMS) + ['gpu']}")
+    host = host_target()
+    scope = lowering_for(platform, host.device_kind
+                         if host.platform == platform else "")
   chosen = []
 
   def trace(query, key, value, bias, mask, query_seq_lengths,
@@ -799,10 +677,11 @@ def selected_implementation(
     if _is_empty(call):
       chosen.append(_EMPTY_RESULT_BACKEND)
       return 0
-    chosen.append(_dispatch(call, _requested_backends(implementation),
-                            platform, bool(for_training), parallel)[2])
+    chosen.append(dispatch.attention(call, request, parallel,
+                                     for_training=bool(for_training))[2])
     return 0
 
-  jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,
-                 key_value_seq_lengths, segment_ids)
+  with scope:
+    jax.eval_shape(trace, query, key, value, bias, mask, query_seq_lengths,
+                   key_value_seq_lengths, segment_ids)
   return chosen[0]

@@ -21,7 +21,6 @@ The visibility rule is :func:`jflash.masks.decode_row_bounds`.  See
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,11 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jflash.backends import BACKENDS
-from jflash.backends.decode_base import DecodeCall
-from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
-from jflash.backends.decode_xla import XlaDecodeBackend
-from jflash.backends.mosaic_gpu.decode import MosaicGpuDecodeBackend
+from jflash.core import dispatch
+from jflash.core.call import DecodeCall
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -47,19 +43,6 @@ past 16 tokens a call is a prefill chunk, which
 :func:`jflash.dot_product_attention`'s tiled kernels serve better."""
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-
-DECODE_BACKENDS: dict[str, Any] = {"mosaic_gpu": MosaicGpuDecodeBackend(),
-                                   "xla": XlaDecodeBackend(),
-                                   "mosaic_tpu": MosaicTpuDecodeBackend()}
-"""Decode backends by name.  The names of :data:`jflash.BACKENDS` without a
-decode kernel (``cudnn``) decline with ``NotImplementedError``.
-``implementation=None`` tries ``mosaic_gpu`` (on a Hopper GPU) and then
-``xla``: the ``mosaic_tpu`` kernel is verified in interpret mode only and
-is taken when named."""
-
-DEFAULT_DECODE_ORDER = ("mosaic_gpu", "xla")
-"""What ``implementation=None`` tries, in order."""
-
 
 # --------------------------------------------------------------- validation
 def _describe(x: Any) -> str:
@@ -225,70 +208,6 @@ def _array_like_table(block_table: Any, batch: int | None,
                 num_pages)
 
 
-# ----------------------------------------------------------------- dispatch
-class _NoDecodeKernel:
-  """A backend name of :data:`jflash.BACKENDS` without a decode kernel."""
-
-  def __init__(self, name: str):
-    self.name = name
-
-  def __call__(self, call: DecodeCall):
-    raise NotImplementedError(f"{self.name} has no decode kernel yet; the "
-                              "'xla' decode backend serves every call")
-
-
-def _requested(implementation: Any) -> tuple[Any, ...]:
-  if implementation is None:
-    return tuple(DECODE_BACKENDS[name] for name in DEFAULT_DECODE_ORDER)
-  entries = (implementation if isinstance(implementation, Sequence)
-             and not isinstance(implementation, str) else (implementation,))
-  result = []
-  for entry in entries:
-    if isinstance(entry, str) and entry in DECODE_BACKENDS:
-      result.append(DECODE_BACKENDS[entry])
-    elif isinstance(entry, str) and entry in BACKENDS:
-      result.append(_NoDecodeKernel(entry))
-    elif (not isinstance(entry, str) and callable(entry)
-          and isinstance(getattr(entry, "name", None), str)):
-      result.append(entry)
-    else:
-      raise ValueError("implementation must be None, a backend name "
-                       f"({sorted(set(DECODE_BACKENDS) | set(BACKENDS))}), a "
-                       "decode backend object or a non-empty sequence of "
-                       f"those, got {implementation!r}")
-  if not result:
-    raise ValueError("implementation must not be an empty sequence")
-  return tuple(result)
-
-
-def _first_that_serves(backends: tuple[Any, ...],
-                       call: DecodeCall) -> tuple[Array, Array]:
-  reasons = []
-  for backend in backends:
-    try:
-      return backend(call)
-    except NotImplementedError as err:
-      reasons.append(f"{backend.name}: {err}")
-  raise NotImplementedError(
-      f"no requested decode backend serves {call.shape_description}: "
-      + "; ".join(reasons))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _inference(backends: tuple[Any, ...], call: DecodeCall):
-  """The backends' result; any derivative (forward or reverse mode, which
-  goes through this rule) raises."""
-  return _first_that_serves(backends, call)
-
-
-@_inference.defjvp
-def _no_derivative(backends, primals, tangents):
-  raise NotImplementedError(
-      "jflash.decode_attention is inference-only and has no derivative; "
-      "differentiate jflash.dot_product_attention (with "
-      "key_value_seq_lengths and is_causal) instead")
-
-
 # ------------------------------------------------------------------- public
 def decode_attention(
     query: ArrayLike,
@@ -338,8 +257,10 @@ def decode_attention(
       scaling.
     implementation: None (the ``"mosaic_gpu"`` kernel on a Hopper GPU where
       it serves the call, else ``"xla"``), a backend name, a decode backend
-      object (such as ``jflash.backends.decode_xla.XlaDecodeBackend(
-      DecodeConfig(...))``) or a sequence of those tried in order.
+      object (such as ``jflash.backends.XlaDecodeBackend(
+      DecodeConfig(...))``), a sequence of those tried in order, or a
+      mapping from lowering platforms to any of these, as for
+      :func:`jflash.dot_product_attention`.
       ``"mosaic_gpu"`` is the Hopper kernel (bfloat16/float16, head dims
       64/128/256); ``"mosaic_tpu"`` the Pallas TPU kernel (on a TPU, or
       anywhere with ``interpret=True``); ``"cudnn"`` has no decode kernel
@@ -363,7 +284,7 @@ def decode_attention(
   """
   call = _canonical_call(query, key_cache, value_cache, lengths, block_table,
                          scale, local_window_size, logits_soft_cap)
-  backends = _requested(implementation)
+  request = dispatch.parse_request(implementation, decode=True)
   for flag, name in ((return_residual, "return_residual"),
                      (interpret, "interpret")):
     if not isinstance(flag, (bool, np.bool_)):
@@ -374,7 +295,7 @@ def decode_attention(
     out = jnp.zeros(call.query.shape, call.dtype)
     lse = jnp.full((batch, num_new, num_heads), -jnp.inf, jnp.float32)
   else:
-    out, lse = _inference(backends, call)
+    out, lse, _ = dispatch.decode(call, request)
   return (out, lse) if return_residual else out
 
 

@@ -159,3 +159,13 @@ def grads_of(fn, case: Case, cotangent, argnums=(0, 1, 2)):
 
 __all__ = ["Case", "fresh_rng", "random_qkv", "rel_err", "lse_err", "random_normal", "random_segments",
            "grads_of", "plain_attention"]
+
+
+HOPPER = "NVIDIA H100 80GB HBM3"
+"""A Hopper GPU's device kind, for lowering its kernels from any host."""
+
+
+def lowering_for_hopper():
+  """Calls traced inside are traced for a Hopper GPU, whatever this host
+  is (the Mosaic GPU kernels then lower for CUDA on the CPU)."""
+  return jflash.lowering_for("cuda", HOPPER)

@@ -5,7 +5,7 @@
   (``--xla_backend_optimization_level=1``) compiled the suite's many small
   programs faster, but on hosts with AVX-512 LLVM's instruction selection
   aborted the process for about one program in a hundred of
-  ``masks.tile_classes`` ("Cannot select: X86ISD::SUBV_BROADCAST_LOAD" in a
+  ``tiles.tile_classes`` ("Cannot select: X86ISD::SUBV_BROADCAST_LOAD" in a
   select/convert fusion; shapes such as T=16, S=48 with 11 x 9 tiles);
   the default level compiled 2,400 random cases of the same test without
   one.  Tests that time or run large programs compile with

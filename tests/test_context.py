@@ -429,20 +429,26 @@ def test_blocks_on_the_tpu_kernels(strategy, layout):
 
 
 def test_export_for_tpu_runs_the_tpu_kernels_per_block():
-  # The backend of each block follows the platform lowered for, not the
-  # host: exporting for a TPU from this CPU gets the TPU kernels.
-  mesh = _mesh((4,), ("c",), AxisType.Explicit)
-  spec = P(None, "c")
-  cp = jflash.ContextParallel(strategy="ring", axis_name="c")
-  fn = jax.jit(jax.shard_map(
-      lambda q, k, v: jflash.dot_product_attention(
-          q, k, v, is_causal=True, context_parallel=cp),
-      mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-  x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16,
-                           sharding=NamedSharding(mesh, spec))
-  for platform, kernels in (("tpu", True), ("cpu", False)):
+  # The backend of each block follows the platform of the mesh: a mesh of
+  # TPU devices gets the TPU kernels from this CPU host, a mesh of CPU
+  # devices the xla backend.
+  from jax.sharding import AbstractDevice, AbstractMesh
+  tpu = AbstractMesh((4,), ("c",), (AxisType.Explicit,),
+                     abstract_device=AbstractDevice(
+                         device_kind="TPU v5 lite", num_cores=None,
+                         platform="tpu"))
+  for mesh, platform in ((tpu, "tpu"),
+                         (_mesh((4,), ("c",), AxisType.Explicit), "cpu")):
+    spec = P(None, "c")
+    cp = jflash.ContextParallel(strategy="ring", axis_name="c")
+    fn = jax.jit(jax.shard_map(
+        lambda q, k, v: jflash.dot_product_attention(
+            q, k, v, is_causal=True, context_parallel=cp),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, spec))
     text = jax.export.export(fn, platforms=[platform])(x, x, x).mlir_module()
-    assert ("tpu_custom_call" in text) == kernels
+    assert ("tpu_custom_call" in text) == (platform == "tpu")
     assert "collective_permute" in text
 
 

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import jflash
+from jflash.core.platform import host_target, is_hopper
 from jflash import masks, reference
-from jflash.backends.decode_tpu import MosaicTpuDecodeBackend
-from jflash.backends.decode_xla import XlaDecodeBackend, DecodeConfig
-from tests._support import (fresh_rng, lse_err, plain_attention, random_normal,
+from jflash.backends.mosaic_tpu.decode import MosaicTpuDecodeBackend
+from jflash.backends.xla import DecodeConfig, XlaDecodeBackend
+from tests._support import (HOPPER, fresh_rng, lowering_for_hopper, lse_err,
+                            plain_attention, random_normal,
                             rel_err)
 
 F32_TOL = 1e-5
@@ -522,7 +524,8 @@ def test_mosaic_tpu_kernel_lowers_for_tpu(paged, monkeypatch):
                                    local_window_size=(20, 0),
                                    implementation="mosaic_tpu")
 
-  exported = jax.export.export(jax.jit(run), platforms=["tpu"])(*args)
+  with jflash.lowering_for("tpu", "TPU v5 lite"):
+    exported = jax.export.export(jax.jit(run), platforms=["tpu"])(*args)
   assert "jflash_mosaic_tpu_decode" in exported.mlir_module()
 
 
@@ -610,7 +613,7 @@ def test_hopper_kernel_lowers_for_cuda_on_any_host(case):
         q, k, v, n, block_table=t, local_window_size=window,
         logits_soft_cap=cap, implementation=_gpu_backend(**config))
   for x64 in (False, True):
-    with jax.enable_x64(x64), mosaic_gpu.lowering_for_hopper():
+    with jax.enable_x64(x64), lowering_for_hopper():
       text = jax.jit(run).trace(q, kv, kv, lengths, table).lower(
           lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
@@ -649,7 +652,7 @@ def test_hopper_kernel_declines_what_it_does_not_serve():
       call = (problem.query, problem.key_pages, problem.value_pages,
               problem.lengths)
       kw = dict(block_table=problem.table)
-    with mosaic_gpu.lowering_for_hopper():
+    with lowering_for_hopper():
       with pytest.raises(NotImplementedError, match=message):
         jflash.decode_attention(*call, **kw, interpret=interpret,
                                 implementation=_gpu_backend(**config))
@@ -657,7 +660,8 @@ def test_hopper_kernel_declines_what_it_does_not_serve():
 
 def _on_hopper() -> bool:
   from jflash.backends import mosaic_gpu
-  return jax.default_backend() == "gpu" and mosaic_gpu.is_hopper()
+  host = host_target()
+  return host.platform == "cuda" and is_hopper(host.device_kind)
 
 
 hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU")
@@ -749,6 +753,11 @@ def test_decode_inside_a_checked_shard_map():
                              np.asarray(jax.jit(decode)(*args)),
                              rtol=1e-6, atol=1e-6)
 
+  # Lowered for a Hopper GPU: a mesh of such devices.
+  from jax.sharding import AbstractDevice, AbstractMesh
+  mesh = AbstractMesh((2,), ("d",), abstract_device=AbstractDevice(
+      device_kind=HOPPER, num_cores=None, platform="cuda"))
+  spec = NamedSharding(mesh, P("d"))
   qkv = jax.ShapeDtypeStruct((4, 128, 4, 64), jnp.bfloat16, sharding=spec)
 
   def grads(q, k, v):
@@ -765,7 +774,7 @@ def test_decode_inside_a_checked_shard_map():
       lambda q, k, v, n: jflash.decode_attention(
           q, k, v, n, implementation="mosaic_gpu"),
       mesh=mesh, in_specs=(P("d"),) * 4, out_specs=P("d"))
-  with mosaic_gpu.lowering_for_hopper():
+  with lowering_for_hopper():
     text = jax.jit(step).trace(qkv, qkv, qkv).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3

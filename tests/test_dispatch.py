@@ -13,7 +13,6 @@ import pytest
 from jax import export
 
 import jflash
-from jflash.backends import mosaic_gpu
 from tests._support import Case, fresh_rng, random_qkv, random_segments, \
     rel_err
 
@@ -35,29 +34,89 @@ def _attention(case: Case):
 
 
 # ---------------------------------------------------------------- platforms
-def test_export_for_tpu_from_this_host_gets_the_tpu_kernels():
+def _count(module_text: str, name: str) -> int:
+  return len(re.findall(rf"custom_call @{name}\b", module_text))
+
+
+def test_a_default_call_traces_the_target_platform_only(monkeypatch):
+  """On this host the default call never reaches another platform's
+  backend: its program is the same as with the host's backend named, and
+  no Pallas kernel is traced."""
+  from jflash.backends import mosaic_gpu, mosaic_tpu
+  reached = []
+
+  def spy(self, call):
+    reached.append(self.name)
+    raise NotImplementedError("spy")
+  for backend in (mosaic_tpu.MosaicTpuBackend, mosaic_gpu.MosaicGpuBackend):
+    monkeypatch.setattr(backend, "__call__", spy)
   case = _case(fresh_rng(), is_causal=True)
-  exported = export.export(jax.jit(_attention(case)),
-                           platforms=["tpu"])(*case.arrays[:3])
-  assert "tpu_custom_call" in _custom_calls(exported.mlir_module())
+  q, k, v = case.arrays[:3]
+
+  def grad_of(**kwargs):
+    def loss(q, k, v):
+      return jflash.dot_product_attention(q, k, v, is_causal=True,
+                                          **kwargs).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  default = str(grad_of().trace(q, k, v).jaxpr)
+  named = str(grad_of(implementation=jflash.default_order()[0]).trace(
+      q, k, v).jaxpr)
+  assert reached == []
+  assert "pallas_call" not in default
+  assert default == named
+
+
+def test_export_for_tpu_takes_lowering_for():
+  """From this host a TPU export holds the TPU kernels when traced for a
+  TPU (``jflash.lowering_for``), with the default and with the backend
+  named; traced for this host it holds the portable program."""
+  case = _case(fresh_rng(), is_causal=True)
+  q, k, v = case.arrays[:3]
+
+  def attention(**kwargs):
+    return jax.jit(lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, **kwargs))
+
+  host = jax.export.default_export_platform()
+  for kwargs in ({}, {"implementation": "mosaic_tpu"}):
+    with jflash.lowering_for("tpu", "TPU v5 lite"):
+      exported = export.export(attention(**kwargs), platforms=["tpu"])(
+          q, k, v)
+    assert "tpu_custom_call" in _custom_calls(exported.mlir_module())
+  if host != "tpu":
+    exported = export.export(attention(), platforms=["tpu"])(q, k, v)
+    assert "tpu_custom_call" not in _custom_calls(exported.mlir_module())
+    with pytest.raises(NotImplementedError, match="needs a TPU"):
+      attention(implementation="mosaic_tpu").trace(q, k, v)
+
+
+def test_lowering_for_rejects_unknown_platforms():
+  with pytest.raises(ValueError, match="platform must be one of.*'gpu'"):
+    jflash.lowering_for("gpu")
+  with pytest.raises(ValueError, match="device_kind must be a str"):
+    jflash.lowering_for("tpu", 5)
 
 
 @pytest.mark.parametrize("features", ["causal", "segments"])
-def test_multi_platform_export_runs_here_and_holds_the_tpu_kernels(features):
-  """One module for CPU and TPU: the TPU branch holds the Mosaic kernels
-  (forward and both backward kernels for the gradient), and the module
-  called on the CPU computes the reference's output and gradients."""
+def test_multi_platform_program_runs_here_and_holds_the_tpu_kernels(
+    features):
+  """``implementation={"cpu": None, "tpu": None}``: one module for CPU and
+  TPU whose TPU branch holds the Mosaic kernels, and which, called on the
+  CPU, computes the reference's output and gradients."""
   rng = fresh_rng()
-  kwargs = dict(is_causal=True)
+  kwargs = dict(is_causal=True,
+                implementation={"cpu": None, "tpu": None})
   if features == "segments":
     kwargs["segment_ids"] = jnp.asarray(random_segments(rng, 2, 40))
   case = _case(rng, **kwargs)
   f = _attention(case)
   q, k, v = case.arrays[:3]
   exported = export.export(jax.jit(f), platforms=["cpu", "tpu"])(q, k, v)
-  assert "tpu_custom_call" in _custom_calls(exported.mlir_module())
+  assert _count(exported.mlir_module(), "tpu_custom_call") == 1
   ref_out, _ = case.call_reference(q, k, v, None)
   assert rel_err(exported.call(q, k, v), ref_out) < 1e-5
+  assert rel_err(jax.jit(f)(q, k, v), ref_out) < 1e-5
 
   cotangent = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
 
@@ -67,12 +126,25 @@ def test_multi_platform_export_runs_here_and_holds_the_tpu_kernels(features):
   grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
   exported = export.export(grad, platforms=["cpu", "tpu"])(q, k, v)
   # Forward and both backward kernels; traced on this host, the TPU's
-  # backward recomputes its forward (the residuals are the host's).
-  assert exported.mlir_module().count("tpu_custom_call") == 4
+  # backward recomputes its forward (the residuals kept are the host's).
+  assert _count(exported.mlir_module(), "tpu_custom_call") == 4
   want = jax.grad(loss(lambda q, k, v: case.call_reference(
       q, k, v, None, jit=False)[0]), argnums=(0, 1, 2))(q, k, v)
   for got, ref in zip(exported.call(q, k, v), want):
     assert rel_err(got, ref) < 1e-5
+  # Lowered for a platform the mapping does not name, JAX refuses.
+  with pytest.raises(Exception, match="cuda"):
+    export.export(jax.jit(f), platforms=["cuda"])(q, k, v)
+
+
+def test_implementation_mapping_is_validated():
+  q, k, v = random_qkv(fresh_rng(), t=8, s=8, n=2, k=2, h=16)
+  for bad, match in (({"gpu": None}, "'gpu' is not a lowering platform"),
+                     ({}, "empty mapping"),
+                     ({"cpu": "banana"}, "unknown backend name"),
+                     ({"cpu": 3}, "got 3")):
+    with pytest.raises(ValueError, match=match):
+      jflash.dot_product_attention(q, k, v, implementation=bad)
 
 
 def test_export_under_a_tpu_mesh_keeps_the_tpu_residuals():
@@ -90,38 +162,60 @@ def test_export_under_a_tpu_mesh_keeps_the_tpu_residuals():
   grad = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1,
                                                                      2)))
   with jax.sharding.use_abstract_mesh(mesh):
-    exported = export.export(grad, platforms=["cpu", "tpu"])(q, k, v)
-  assert exported.mlir_module().count("tpu_custom_call") == 3
+    exported = export.export(grad, platforms=["tpu"])(q, k, v)
+  assert _count(exported.mlir_module(), "tpu_custom_call") == 3
+
+
+def test_inputs_sharded_on_a_platform_are_traced_for_it():
+  """Arguments whose sharding names another platform's devices (an
+  abstract mesh of TPU devices) are traced for that platform."""
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(
+                          device_kind="TPU v6 lite", num_cores=1,
+                          platform="tpu"))
+  case = _case(fresh_rng(), is_causal=True)
+  specs = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=jax.NamedSharding(mesh, jax.P()))
+           for x in case.arrays[:3]]
+  jaxpr = str(jax.jit(_attention(case)).trace(*specs).jaxpr)
+  assert "pallas_call" in jaxpr
 
 
 def test_export_for_cuda_gets_the_hopper_kernels():
-  """Lowering for a Hopper GPU from this host (cuDNN's lowering needs a real
+  """Traced for a Hopper GPU from this host (cuDNN's lowering needs a real
   GPU and declines here), a CUDA export holds Mosaic GPU kernels, and a
-  three-platform export holds each platform's kernels."""
+  three-platform program holds each platform's kernels."""
   rng = fresh_rng()
   q, k, v = random_qkv(rng, t=128, s=128, n=2, k=2, h=64,
                        dtype=jnp.bfloat16)
   case = Case(q, k, v, kwargs=dict(is_causal=True))
-  with mosaic_gpu.lowering_for_hopper():
+  every = Case(q, k, v, kwargs=dict(
+      is_causal=True, implementation=dict.fromkeys(("cpu", "cuda", "tpu"))))
+  with jflash.lowering_for("cuda", "NVIDIA H100 80GB HBM3"):
     exported = export.export(jax.jit(_attention(case)),
                              platforms=["cuda"])(q, k, v)
     assert "mosaic_gpu_v2" in _custom_calls(exported.mlir_module())
-    exported = export.export(jax.jit(_attention(case)),
+    exported = export.export(jax.jit(_attention(every)),
                              platforms=["cpu", "cuda", "tpu"])(q, k, v)
   assert {"mosaic_gpu_v2", "tpu_custom_call"} <= _custom_calls(
       exported.mlir_module())
   ref_out, _ = case.call_reference(q, k, v, None)
   assert rel_err(exported.call(q, k, v), ref_out) < 2e-2
+  # An unknown or non-Hopper GPU gets the portable program.
+  with jflash.lowering_for("cuda", "NVIDIA A100-SXM4-80GB"):
+    exported = export.export(jax.jit(_attention(case)),
+                             platforms=["cuda"])(q, k, v)
+  assert "mosaic_gpu_v2" not in _custom_calls(exported.mlir_module())
 
 
 def test_host_lowering_is_the_host_backend_alone():
   """Lowered for this host only, the program holds no other platform's
   kernels and no conditional: the same program as the host's backend
   named explicitly."""
-  from jflash.backends import dispatch
   case = _case(fresh_rng(), is_causal=True)
   q, k, v = case.arrays[:3]
-  host = dispatch.host_platform()
+  host = jax.export.default_export_platform()
   explicit = jflash.default_order()[0]
 
   def named(q, k, v):
@@ -180,7 +274,7 @@ def test_backend_is_named_in_the_hlo():
 
 
 def test_choice_logged_once_per_signature(caplog, monkeypatch):
-  from jflash.backends import dispatch
+  from jflash.core import dispatch
   dispatch._logged.clear()
   rng = fresh_rng()
   first = _case(rng, is_causal=True)
@@ -193,9 +287,10 @@ def test_choice_logged_once_per_signature(caplog, monkeypatch):
   records = [r for r in caplog.records if r.name == "jflash"]
   assert len(records) == 2, [r.getMessage() for r in records]
   assert all(r.levelno == logging.DEBUG for r in records)
+  host = jax.export.default_export_platform()
   assert "T=40" in records[0].getMessage()
   assert "causal" in records[0].getMessage()
-  assert "tpu -> mosaic_tpu" in records[0].getMessage()
+  assert f"{host} -> {jflash.default_order()[0]}" in records[0].getMessage()
   assert "T=24" in records[1].getMessage()
 
   dispatch._logged.clear()
@@ -208,7 +303,7 @@ def test_choice_logged_once_per_signature(caplog, monkeypatch):
 
 
 def test_log_memo_is_bounded():
-  from jflash.backends import dispatch
+  from jflash.core import dispatch
   dispatch._logged.clear()
   q, k, v = random_qkv(fresh_rng(), t=4, s=4)
   call, _ = jflash.attention._canonicalize(
@@ -216,7 +311,7 @@ def test_log_memo_is_bounded():
       query_seq_lengths=None, key_value_seq_lengths=None,
       local_window_size=None, segment_ids=None, logits_soft_cap=None)
   for i in range(dispatch._LOG_MEMO_SIZE + 5):
-    dispatch._log_choice(call, {"cpu": f"backend{i}"})
+    dispatch._log_choice(call, f"backend{i}")
   assert len(dispatch._logged) == dispatch._LOG_MEMO_SIZE
 
 
@@ -239,7 +334,7 @@ def _shapes(t, h, n=4, kv_heads=4, dtype=jnp.bfloat16):
 
 
 def test_gpu_model_of_device_kinds():
-  from jflash.backends import gpu_table
+  from jflash.core import gpu_table
   assert gpu_table.gpu_model("NVIDIA H100 80GB HBM3") == "H100"
   assert gpu_table.gpu_model("NVIDIA H200") == "H200"
   assert gpu_table.gpu_model("TPU v5 lite") is None
@@ -247,7 +342,7 @@ def test_gpu_model_of_device_kinds():
 
 
 def test_table_lookup_buckets_and_fallbacks():
-  from jflash.backends import gpu_table
+  from jflash.core import gpu_table
   E = gpu_table.Entry
   table = (E("H100", 128, 1024, "causal", False, "bfloat16", "cudnn",
              "mosaic_gpu", "a"),
@@ -284,29 +379,30 @@ def test_table_lookup_buckets_and_fallbacks():
               key_value_seq_lengths=jnp.ones(1, jnp.int32)) is None
 
 
-def test_call_orders_follow_the_table_on_that_gpu_only(monkeypatch):
-  from jflash.backends import gpu_table
+def test_call_orders_follow_the_table_on_that_gpu_only():
+  from jflash.core import gpu_table, registry
+  from jflash.core.platform import Target
   names = lambda order: tuple(b.name for b in order)
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(16384, 128))
   causal = _canonical(q, k, v, is_causal=True)
   entry = gpu_table.lookup("H100", causal)
   assert entry is not None and entry.seq_len == 16384
-  before = {p: jflash.backends.call_orders(causal, p)
-            for p in ("cpu", "tpu", "cuda")}
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(gpu_table, "local_gpu_model", lambda: "H100")
-  inference, training = jflash.backends.call_orders(causal, "cuda")
+  call_orders = registry.call_orders
+  h100 = "NVIDIA H100 80GB HBM3"
+  inference, training = call_orders(causal, Target("cuda", h100))
   assert names(inference)[0] == entry.inference
   assert names(training)[0] == entry.training
   for order in (inference, training):
     assert sorted(names(order)) == sorted(jflash.default_order("cuda"))
-  for p in ("cpu", "tpu"):  # nothing changes off CUDA
-    assert jflash.backends.call_orders(causal, p) == before[p]
-    assert names(before[p][0]) == jflash.default_order(p)
+  for p in ("cpu", "tpu"):  # nothing changes off CUDA, whatever the kind
+    orders = call_orders(causal, Target(p, h100))
+    assert orders[0] == orders[1]
+    assert names(orders[0]) == jflash.default_order(p)
   # A model with no entries, or a call no entry covers, keeps the order.
-  monkeypatch.setattr(gpu_table, "local_gpu_model", lambda: "A100")
-  assert jflash.backends.call_orders(causal, "cuda") == before["cuda"]
-  assert names(before["cuda"][0]) == jflash.default_order("cuda")
+  for kind in ("NVIDIA A100-SXM4-80GB", ""):
+    orders = call_orders(causal, Target("cuda", kind))
+    assert orders[0] == orders[1]
+    assert names(orders[0]) == jflash.default_order("cuda")
 
 
 def test_forward_only_and_training_calls_reach_their_backends(monkeypatch):
@@ -318,15 +414,16 @@ def test_forward_only_and_training_calls_reach_their_backends(monkeypatch):
                          name="xla_for_inference")
   training = XlaBackend(XlaConfig(block_q=16, block_kv=8),
                         name="xla_for_training")
-  default = jflash.backends.call_orders
+  from jflash.core import registry
+  default = registry.call_orders
 
-  def call_orders(call, platform):
-    if platform != "cpu":
-      return default(call, platform)
+  def call_orders(call, target):
+    if target.platform != "cpu":
+      return default(call, target)
     fallback = (XlaBackend(),)
     return (inference,) + fallback, (training,) + fallback
 
-  monkeypatch.setattr(jflash.backends, "call_orders", call_orders)
+  monkeypatch.setattr(registry, "call_orders", call_orders)
   rng = fresh_rng()
   case = _case(rng, is_causal=True)
   q, k, v = case.arrays[:3]
@@ -365,7 +462,7 @@ def test_forward_only_and_training_calls_reach_their_backends(monkeypatch):
 
 def test_table_is_what_the_builder_makes_of_the_checked_in_results():
   from benchmarks import dispatch_table
-  from jflash.backends import gpu_table
+  from jflash.core import gpu_table
   from pathlib import Path
   results = Path(__file__).parent.parent / "benchmarks" / "results"
   anchors = []
@@ -414,37 +511,18 @@ def test_builder_picks_the_faster_backend_per_pass(tmp_path):
              for e in entries)
 
 
-def test_a_crash_tracing_for_another_platform_does_not_break_this_one(
-    monkeypatch, caplog):
-  """A backend that fails (other than by declining) while traced for a
-  platform other than the target is skipped there, with a warning; on the
-  target platform the error propagates."""
+def test_a_crash_of_the_target_platforms_backend_propagates(monkeypatch):
+  """A backend that fails (other than by declining) raises its error:
+  traced for a TPU, a broken TPU kernel is not replaced silently."""
   from jflash.backends import mosaic_tpu
 
   def broken(self, call):
     raise TypeError("broken kernel")
   monkeypatch.setattr(mosaic_tpu.MosaicTpuBackend, "__call__", broken)
-  rng = fresh_rng()
-  case = _case(rng, is_causal=True)
+  case = _case(fresh_rng(), is_causal=True)
   q, k, v = case.arrays[:3]
-  f = _attention(case)
-  with caplog.at_level(logging.WARNING, logger="jflash"):
-    out = jax.jit(f)(q, k, v)
-    grads = jax.jit(jax.grad(lambda q: f(q, k, v).sum()))(q)
-  assert any("mosaic_tpu failed to trace for tpu" in r.getMessage()
-             for r in caplog.records)
-  ref_out, _ = case.call_reference(q, k, v, None)
-  assert rel_err(out, ref_out) < 1e-5
-  want = jax.grad(lambda q: case.call_reference(
-      q, k, v, None, jit=False)[0].sum())(q)
-  assert rel_err(grads, want) < 1e-5
-  # Traced for a TPU (under an abstract mesh of TPU devices), it raises.
-  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
-                      abstract_device=AbstractDevice(
-                          device_kind="TPU v5 lite", num_cores=1,
-                          platform="tpu"))
-  with jax.sharding.use_abstract_mesh(mesh), \
+  jax.jit(_attention(case)).trace(q, k, v)  # not traced for a TPU here
+  with jflash.lowering_for("tpu", "TPU v5 lite"), \
       pytest.raises(TypeError, match="broken kernel"):
     jax.jit(_attention(case)).trace(q, k, v)
 

@@ -1,4 +1,4 @@
-"""Kernel backends on explicitly sharded inputs (``jflash.backends.sharding``),
+"""Kernel backends on explicitly sharded inputs (``jflash.parallel.sharding``),
 checked with the TPU kernels in interpret mode on 4 CPU devices: each device
 runs its batch/head block, the numbers match the unsharded call, the
 results keep the input sharding and no collective is needed."""

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jflash import masks
+from jflash import masks, tiles
 from tests._support import random_segments
 
 
 # Jitted once per shape instead of dispatching op by op.
-tile_classes = jax.jit(masks.tile_classes, static_argnums=(1, 2))
+tile_classes = jax.jit(tiles.tile_classes, static_argnums=(1, 2))
 visibility = jax.jit(lambda m: m.visibility())
 
 
@@ -78,10 +78,10 @@ def brute_tile_classes(vis, block_q, block_kv):
   nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
   padded = np.zeros((batch, vis.shape[1], nq * block_q, nk * block_kv), bool)
   padded[:, :, :q_len, :kv_len] = vis
-  tiles = padded.reshape(batch, vis.shape[1], nq, block_q, nk, block_kv)
-  anyv = tiles.any(axis=(1, 3, 5))
-  allv = tiles.all(axis=(1, 3, 5))
-  return np.where(anyv, np.where(allv, masks.FULL, masks.PARTIAL), masks.EMPTY)
+  blocks = padded.reshape(batch, vis.shape[1], nq, block_q, nk, block_kv)
+  anyv = blocks.any(axis=(1, 3, 5))
+  allv = blocks.all(axis=(1, 3, 5))
+  return np.where(anyv, np.where(allv, tiles.FULL, tiles.PARTIAL), tiles.EMPTY)
 
 
 COMBOS = [dict(causal=c, window=w, lengths=l, segments=s, dense=d)
@@ -123,14 +123,14 @@ def test_tile_classes(combo):
     info = (f"seed={seed} T={q_len} S={kv_len} blocks={block_q},{block_kv} "
             f"window={mask.window}")
     # Never wrong in the unsafe direction.
-    assert not np.any((got == masks.EMPTY) & (want != masks.EMPTY)), info
-    assert not np.any((got == masks.FULL) & (want != masks.FULL)), info
+    assert not np.any((got == tiles.EMPTY) & (want != tiles.EMPTY)), info
+    assert not np.any((got == tiles.FULL) & (want != tiles.FULL)), info
     others = combo["causal"] or combo["window"] or combo["lengths"]
     if not combo["dense"] and not (combo["segments"] and others):
       # Structural rules alone, or sorted (contiguous) segments alone:
       # exact emptiness.  (Combined, each part is exact on its own but
       # their intersection inside one tile may be empty.)
-      np.testing.assert_array_equal(got == masks.EMPTY, want == masks.EMPTY,
+      np.testing.assert_array_equal(got == tiles.EMPTY, want == tiles.EMPTY,
                                     err_msg=info)
     if not combo["dense"] and not combo["segments"]:
       np.testing.assert_array_equal(got, want, err_msg=info)
@@ -146,8 +146,8 @@ def test_tile_classes_where_light_cpu_codegen_aborted():
   mask, vis = random_mask(rng, 2, 16, 48, **combo)
   got = np.asarray(tile_classes(mask, 11, 9))
   want = brute_tile_classes(vis, 11, 9)
-  assert not np.any((got == masks.EMPTY) & (want != masks.EMPTY)), seed
-  assert not np.any((got == masks.FULL) & (want != masks.FULL)), seed
+  assert not np.any((got == tiles.EMPTY) & (want != tiles.EMPTY)), seed
+  assert not np.any((got == tiles.FULL) & (want != tiles.FULL)), seed
 
 
 def test_unsorted_segments_are_conservative():
@@ -157,8 +157,8 @@ def test_unsorted_segments_are_conservative():
                           sorted_segments=False)
   got = np.asarray(tile_classes(mask, 8, 8))
   want = brute_tile_classes(vis, 8, 8)
-  assert not np.any((got == masks.EMPTY) & (want != masks.EMPTY)), seed
-  assert not np.any((got == masks.FULL) & (want != masks.FULL)), seed
+  assert not np.any((got == tiles.EMPTY) & (want != tiles.EMPTY)), seed
+  assert not np.any((got == tiles.FULL) & (want != tiles.FULL)), seed
 
 
 def test_causal_window_tile_count():
@@ -166,13 +166,13 @@ def test_causal_window_tile_count():
   seq, block, left = 256, 32, 40
   mask = masks.AttentionMask(batch=1, q_len=seq, kv_len=seq, is_causal=True,
                              window=(left, left))
-  sched = masks.tile_schedule(mask, block, block)
+  sched = tiles.tile_schedule(mask, block, block)
   # Query block i sees key blocks from floor((32 i - 40) / 32) to i.
   expected = sum(i - max(0, (block * i - left) // block) + 1
                  for i in range(seq // block))
   assert int(sched.visited_tiles) == expected
   nq = seq // block
-  assert int((sched.classes == masks.FULL).sum()) < expected < nq * nq
+  assert int((sched.classes == tiles.FULL).sum()) < expected < nq * nq
 
 
 def test_schedule_orders_list_nonempty_tiles_first():
@@ -180,24 +180,24 @@ def test_schedule_orders_list_nonempty_tiles_first():
   mask, _ = random_mask(rng, 3, 50, 60, causal=True, window=True,
                         lengths=True, segments=True, dense=False)
   sched = jax.tree.map(np.asarray, jax.jit(
-      masks.tile_schedule, static_argnums=(1, 2))(mask, 8, 16))
+      tiles.tile_schedule, static_argnums=(1, 2))(mask, 8, 16))
   classes = sched.classes
   for b in range(3):
     for qi in range(classes.shape[1]):
       n = int(sched.kv_count[b, qi])
       visited = np.asarray(sched.kv_order[b, qi, :n])
       np.testing.assert_array_equal(
-          visited, np.flatnonzero(classes[b, qi] != masks.EMPTY), str(seed))
+          visited, np.flatnonzero(classes[b, qi] != tiles.EMPTY), str(seed))
     for ki in range(classes.shape[2]):
       n = int(sched.q_count[b, ki])
       np.testing.assert_array_equal(
           np.asarray(sched.q_order[b, ki, :n]),
-          np.flatnonzero(classes[b, :, ki] != masks.EMPTY), str(seed))
-  merged = masks.tile_schedule(mask, 8, 16, merge_batch=True)
+          np.flatnonzero(classes[b, :, ki] != tiles.EMPTY), str(seed))
+  merged = tiles.tile_schedule(mask, 8, 16, merge_batch=True)
   assert merged.classes.shape[0] == 1
   np.testing.assert_array_equal(
-      np.asarray(merged.classes[0] != masks.EMPTY),
-      (classes != masks.EMPTY).any(0))
+      np.asarray(merged.classes[0] != tiles.EMPTY),
+      (classes != tiles.EMPTY).any(0))
 
 
 def test_rows_with_visible_keys():
@@ -214,11 +214,11 @@ def test_rows_with_visible_keys():
 def test_tile_classes_under_jit_with_traced_lengths():
   mask = masks.AttentionMask(batch=1, q_len=64, kv_len=64,
                              kv_lengths=jnp.asarray([20], jnp.int32))
-  f = jax.jit(lambda m: masks.tile_classes(m, 16, 16))
+  f = jax.jit(lambda m: tiles.tile_classes(m, 16, 16))
   got = np.asarray(f(mask))
-  assert (got[0, :, 2:] == masks.EMPTY).all()
-  assert (got[0, :, 0] == masks.FULL).all()
-  assert (got[0, :, 1] == masks.PARTIAL).all()
+  assert (got[0, :, 2:] == tiles.EMPTY).all()
+  assert (got[0, :, 0] == tiles.FULL).all()
+  assert (got[0, :, 1] == tiles.PARTIAL).all()
 
 
 def test_invalid_mask_construction():
@@ -228,7 +228,7 @@ def test_invalid_mask_construction():
     masks.AttentionMask(batch=1, q_len=4, kv_len=4,
                         q_segment_ids=jnp.zeros((1, 4), jnp.int32))
   with pytest.raises(ValueError, match="block"):
-    masks.tile_classes(masks.AttentionMask(batch=1, q_len=4, kv_len=4), 0, 4)
+    tiles.tile_classes(masks.AttentionMask(batch=1, q_len=4, kv_len=4), 0, 4)
 
 
 @pytest.mark.parametrize("combo", [c for c in COMBOS if not c["segments"]
@@ -337,7 +337,7 @@ def test_decode_chunk_class_matches_brute_force():
     for b, length in enumerate(lengths):
       bounds = masks.decode_bounds(jnp.int32(length), num_new,
                                    kv_len=kv_len, window=window)
-      full, unseen = masks.decode_chunk_class(bounds, jnp.asarray(starts),
+      full, unseen = tiles.decode_chunk_class(bounds, jnp.asarray(starts),
                                               chunk)
       for i, start in enumerate(starts):
         block = vis[b, :, start + 8:start + 8 + chunk]
@@ -352,7 +352,7 @@ def test_decode_max_chunks_bounds_every_length():
   for _ in range(6):
     num_new, kv_len, _, window = _random_decode_problem(rng)
     chunk = int(rng.integers(1, 9))
-    bound = masks.decode_max_chunks(num_new, kv_len, chunk, window)
+    bound = tiles.decode_max_chunks(num_new, kv_len, chunk, window)
     lengths = np.arange(kv_len + 1, dtype=np.int32)
     first, end = masks.decode_key_range(jnp.asarray(lengths), num_new,
                                         kv_len=kv_len, window=window)

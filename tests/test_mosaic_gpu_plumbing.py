@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import jflash
-from jflash import masks
+from jflash import masks, tiles
 from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
 from jflash.backends.mosaic_gpu import common, schedule
-from tests._support import random_segments
+from tests._support import lowering_for_hopper, random_segments
 
 
 def _rng():
@@ -31,7 +31,7 @@ def _forward_and_backward(mask, plan):
   """``run(q, k, v) -> (out, lse, grads)`` through the mosaic_gpu kernels."""
   def run(q, k, v):
     (out, lse), vjp = jax.vjp(
-        lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan), q, k, v)
+        lambda q, k, v: mosaic_gpu.attention._attention(q, k, v, mask, plan), q, k, v)
     return out, lse, vjp((out, lse))
   return run
 
@@ -69,13 +69,13 @@ def test_qk_after_pv_default_follows_head_dim_and_features():
 def _forward_kernel_text(head_dim: int, **fields) -> str:
   """The traced forward (its kernel body included) for a causal mask."""
   mask = masks.AttentionMask(batch=1, q_len=256, kv_len=256, is_causal=True)
-  plan = mosaic_gpu._Plan(
+  plan = mosaic_gpu.attention._Plan(
       spec=MaskSpec.of(mask), logits=LogitTransform(0.1, None),
       config=MosaicGpuConfig(**fields).resolved(head_dim),
       head_dim=head_dim)
   q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
   return str(jax.make_jaxpr(
-      lambda q, k, v: mosaic_gpu._attention(q, k, v, mask, plan))(q, q, q))
+      lambda q, k, v: mosaic_gpu.attention._attention(q, k, v, mask, plan))(q, q, q))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -158,15 +158,15 @@ def test_fused_backward_ranks_order_every_query_tile(dq_slots):
       kv_lengths=jnp.asarray([300, 120], jnp.int32),
       q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
       kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),
                           config=MosaicGpuConfig(
                               fuse_dq=True, block_kv_dkv=64,
                               dq_slots=dq_slots).resolved(128),
                           head_dim=128)
   bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
-  pads = mosaic_gpu._padding(mask, plan)
-  slots = mosaic_gpu._fused_slots(plan.config, pads)
+  pads = mosaic_gpu.attention._padding(mask, plan)
+  slots = mosaic_gpu.attention._fused_slots(plan.config, pads)
   assert slots == min(dq_slots, pads.kv_pad // (2 * bk))
   order, count, _, ranks, visited = map(
       np.asarray, schedule.fused_keys_metadata(mask, bq, bk, pads,
@@ -324,7 +324,7 @@ def test_short_sequences_lower_with_narrow_key_tiles(head_dim):
   batch, t, s = 2, 77, 50
   mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=s, is_causal=True,
                              kv_lengths=jnp.asarray([50, 20], jnp.int32))
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.125, None),
                           config=MosaicGpuConfig().resolved(head_dim, s),
                           head_dim=head_dim)
@@ -378,7 +378,7 @@ def test_row_statistics_match_float64():
   lse = rng.standard_normal((batch, n, tp)).astype(np.float32)
   lse[0, 1, 3] = lse[1, 2, 36] = -np.inf
   d_lse = rng.standard_normal((batch, t, n)).astype(np.float32)
-  got = np.asarray(jax.jit(mosaic_gpu._row_statistics, static_argnums=4)(
+  got = np.asarray(jax.jit(mosaic_gpu.attention._row_statistics, static_argnums=4)(
       out, d_out, jnp.asarray(lse), jnp.asarray(d_lse), tp))
   assert got.shape == (batch, n, 2, tp)
   lse2 = np.where(np.isneginf(lse), np.inf, lse * np.log2(np.e))
@@ -400,11 +400,11 @@ def test_schedule_covers_every_visible_pair():
       kv_lengths=jnp.asarray([260, 190], jnp.int32),
       q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
       kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),
                           config=MosaicGpuConfig().resolved(128), head_dim=128)
   config = plan.config
-  pads = mosaic_gpu._padding(mask, plan)
+  pads = mosaic_gpu.attention._padding(mask, plan)
   order, count, classes, block_order = schedule.rows_metadata(
       mask, config.block_q, config.block_kv, pads)
   # CTAs take every row block of every batch row exactly once.
@@ -425,7 +425,7 @@ def test_schedule_covers_every_visible_pair():
       for step in range(count[b, i]):
         kv_tile = order[b, i, step]
         for w in range(2):
-          if classes[b, i, step, w] == masks.FULL:
+          if classes[b, i, step, w] == tiles.FULL:
             rows = slice((2 * i + w) * bq, (2 * i + w + 1) * bq)
             tile = visible[b, rows, kv_tile * bk:(kv_tile + 1) * bk]
             assert tile.shape == (bq, bk) and tile.all()
@@ -446,11 +446,11 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
       q_lengths=jnp.asarray([300, 170], jnp.int32),
       q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
       kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),
                           config=MosaicGpuConfig().resolved(256), head_dim=256)
   bq, bk = plan.config.block_q_dkv, plan.config.block_kv_dkv
-  pads = mosaic_gpu._padding(mask, plan)
+  pads = mosaic_gpu.attention._padding(mask, plan)
   metadata = getattr(schedule, make)(mask, bq, bk, pads)
   order, count, classes = map(np.asarray, metadata[:3])
   assert order.shape[1] * keys_per_cta * bk == pads.kv_pad
@@ -470,7 +470,7 @@ def test_key_schedules_cover_every_visible_pair(make, keys_per_cta):
             assert q_tile in visited
         for step in range(count[b, j]):
           q_tile = order[b, j, step]
-          if classes[b, j, step, w] == masks.FULL:
+          if classes[b, j, step, w] == tiles.FULL:
             tile = keys[q_tile * bq:(q_tile + 1) * bq]
             assert tile.shape == (bq, bk) and tile.all()
 
@@ -514,7 +514,7 @@ def test_kernels_lower_to_mosaic_gpu(head_dim, features, variant):
         q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
         kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
   mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=s, **rules)
-  plan = mosaic_gpu._Plan(
+  plan = mosaic_gpu.attention._Plan(
       spec=MaskSpec.of(mask),
       logits=LogitTransform(0.125, features.get("soft_cap")),
       config=MosaicGpuConfig(**variant).resolved(head_dim),
@@ -549,17 +549,17 @@ def test_shape_only_schedules_become_constants(rules, make):
   the one built per call."""
   make = getattr(schedule, make)
   mask = masks.AttentionMask(batch=3, q_len=777, kv_len=1000, **rules)
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),
                           config=MosaicGpuConfig().resolved(128), head_dim=128)
-  pads = mosaic_gpu._padding(mask, plan)
+  pads = mosaic_gpu.attention._padding(mask, plan)
   c = plan.config
   traced = jax.jit(lambda: make(mask, c.block_q, c.block_kv, pads))()
-  static_jaxpr = jax.make_jaxpr(lambda: mosaic_gpu._metadata(
+  static_jaxpr = jax.make_jaxpr(lambda: mosaic_gpu.attention._metadata(
       make, mask, c.block_q, c.block_kv, pads))()
   # Nothing is computed at run time: the outputs are literals/constants.
   assert not static_jaxpr.eqns
-  static = jax.jit(lambda: mosaic_gpu._metadata(
+  static = jax.jit(lambda: mosaic_gpu.attention._metadata(
       make, mask, c.block_q, c.block_kv, pads))()
   for got, want in zip(static, traced):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -575,14 +575,14 @@ def test_shape_only_metadata_compiles_once_per_schedule(fuse_dq,
   mask = masks.AttentionMask(batch=batch, q_len=t, kv_len=s, is_causal=True,
                              window=(300, 0))
   config = MosaicGpuConfig(fuse_dq=fuse_dq).resolved(128)
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.125, None), config=config,
                           head_dim=128)
   q = jax.ShapeDtypeStruct((batch, t, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((batch, s, 2, 128), jnp.bfloat16)
   schedules, compiles = [], []
-  built = mosaic_gpu._metadata
-  monkeypatch.setattr(mosaic_gpu, "_metadata",
+  built = mosaic_gpu.attention._metadata
+  monkeypatch.setattr(mosaic_gpu.attention, "_metadata",
                       lambda *a: schedules.append(a) or built(*a))
 
   def count(event, *_, **__):
@@ -602,7 +602,7 @@ def test_row_statistics_sum_matches_a_float64_sum(width):
   """delta's fixed-order row sum agrees with a float64 sum on random rows
   of any width (padded to a power of two with zeros), to float32 rounding."""
   x = jax.random.normal(jax.random.key(width), (3, 5, width), jnp.float32)
-  got = mosaic_gpu._fixed_order_row_sum(x)
+  got = mosaic_gpu.attention._fixed_order_row_sum(x)
   want = np.asarray(x, np.float64).sum(-1)
   assert got.shape == (3, 5) and got.dtype == jnp.float32
   scale = np.abs(np.asarray(x, np.float64)).sum(-1)
@@ -618,7 +618,7 @@ def test_row_statistics_sum_adds_in_the_halving_order(width):
   those additions gives the same bits."""
   x = jax.random.normal(jax.random.key(100 + width), (4, 7, width),
                         jnp.float32)
-  got = np.asarray(jax.jit(mosaic_gpu._fixed_order_row_sum)(x))
+  got = np.asarray(jax.jit(mosaic_gpu.attention._fixed_order_row_sum)(x))
   want = np.asarray(x)
   size = 1
   while size < width:
@@ -668,10 +668,10 @@ def test_sequences_are_padded_only_to_row_groups_of_eight(head_dim, fuse_dq):
   t, s = (int(x) for x in rng.integers(300, 700, size=2))
   mask = masks.AttentionMask(batch=2, q_len=t, kv_len=s, is_causal=True)
   config = MosaicGpuConfig(fuse_dq=fuse_dq).resolved(head_dim, s)
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None), config=config,
                           head_dim=head_dim)
-  pads = mosaic_gpu._padding(mask, plan)
+  pads = mosaic_gpu.attention._padding(mask, plan)
   q_rows, kv_rows = -(-t // 8) * 8, -(-s // 8) * 8
   assert (pads.q_rows, pads.kv_rows) == (q_rows, kv_rows)
   assert pads.q_pad >= q_rows and pads.kv_pad >= kv_rows
@@ -695,10 +695,10 @@ def test_sequences_are_padded_only_to_row_groups_of_eight(head_dim, fuse_dq):
 def test_sequences_shorter_than_a_tile_are_padded_to_it():
   mask = masks.AttentionMask(batch=1, q_len=40, kv_len=30, is_causal=False)
   config = MosaicGpuConfig().resolved(128, 30)
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None), config=config,
                           head_dim=128)
-  pads = mosaic_gpu._padding(mask, plan)
+  pads = mosaic_gpu.attention._padding(mask, plan)
   assert (pads.q_rows, pads.kv_rows) == (pads.q_pad, pads.kv_pad)
   assert pads.q_pad >= 64 and pads.kv_pad >= 64
 
@@ -735,7 +735,7 @@ def test_kernels_lower_under_x64(head_dim, features, t, s):
                                        **extra)
     return jnp.sum(out.astype(jnp.float32))
 
-  with jax.enable_x64(True), mosaic_gpu.lowering_for_hopper():
+  with jax.enable_x64(True), lowering_for_hopper():
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
         q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   fused = mosaic_gpu.default_config(
@@ -752,7 +752,7 @@ def test_heaviest_first_starts_the_longest_blocks_first():
       kv_lengths=jnp.asarray(rng.integers(1, s + 1, batch), jnp.int32),
       q_segment_ids=jnp.asarray(random_segments(rng, batch, t)),
       kv_segment_ids=jnp.asarray(random_segments(rng, batch, s)))
-  sched = masks.tile_schedule(mask, 8, 16)
+  sched = tiles.tile_schedule(mask, 8, 16)
   for count in (np.asarray(sched.kv_count), np.asarray(sched.q_count),
                 rng.integers(0, 4, (2, 9))):  # many ties
     order = np.asarray(schedule.heaviest_first(jnp.asarray(count)))
@@ -762,7 +762,7 @@ def test_heaviest_first_starts_the_longest_blocks_first():
     np.testing.assert_array_equal(
         order, np.lexsort((np.arange(flat.size), -flat)))
   # Causal with no other rule: the last query block has the most tiles.
-  causal = masks.tile_schedule(
+  causal = tiles.tile_schedule(
       masks.AttentionMask(batch=2, q_len=64, kv_len=64, is_causal=True), 16,
       16)
   np.testing.assert_array_equal(
@@ -776,7 +776,7 @@ def test_visited_in_reverse_and_earlier_visitors():
   mask = masks.AttentionMask(
       batch=2, q_len=40, kv_len=40, is_causal=True,
       window=(int(rng.integers(0, 20)), int(rng.integers(0, 20))))
-  sched = masks.tile_schedule(mask, 8, 10)
+  sched = tiles.tile_schedule(mask, 8, 10)
   order, count = np.asarray(sched.q_order), np.asarray(sched.q_count)
   got = np.asarray(schedule.visited_in_reverse(jnp.asarray(order),
                                                jnp.asarray(count)))
@@ -828,7 +828,7 @@ def test_lowering_for_hopper_is_scoped():
 
   with pytest.raises(NotImplementedError, match="Hopper"):
     lower()
-  with mosaic_gpu.lowering_for_hopper():
+  with lowering_for_hopper():
     assert "custom_call @mosaic_gpu" in lower()
   with pytest.raises(NotImplementedError, match="Hopper"):
     lower()
@@ -884,8 +884,8 @@ def test_offset_tile_visibility_matches_the_mask(q_offset, kv_offset, rules):
                       kv_offset=kv_offset, **rules)
   spec = MaskSpec.of(mask)
   assert spec.has_offsets
-  offsets = mosaic_gpu._mask_inputs(
-      mask, mosaic_gpu._Padded(t, s, t, s, 64))["offsets"]
+  offsets = mosaic_gpu.attention._mask_inputs(
+      mask, mosaic_gpu.attention._Padded(t, s, t, s, 64))["offsets"]
   np.testing.assert_array_equal(np.asarray(offsets), [q_offset, kv_offset])
   q_ids = jnp.arange(t, dtype=jnp.int32)[:, None]
   kv_ids = jnp.arange(s, dtype=jnp.int32)[None, :]
@@ -910,12 +910,12 @@ def test_offsets_reach_the_kernels_only_with_offsets():
   modules stay as before); one with offsets (either given, the other 0)
   gives ``[q_offset, kv_offset]``."""
   plain = masks.AttentionMask(batch=1, q_len=8, kv_len=8, is_causal=True)
-  pads = mosaic_gpu._Padded(128, 128, 128, 128, 64)
-  assert mosaic_gpu._mask_inputs(plain, pads)["offsets"] is None
+  pads = mosaic_gpu.attention._Padded(128, 128, 128, 128, 64)
+  assert mosaic_gpu.attention._mask_inputs(plain, pads)["offsets"] is None
   assert not MaskSpec.of(plain).has_offsets
   only_kv = dataclasses.replace(plain, kv_offset=jnp.asarray(5, jnp.int32))
   np.testing.assert_array_equal(
-      np.asarray(mosaic_gpu._mask_inputs(only_kv, pads)["offsets"]), [0, 5])
+      np.asarray(mosaic_gpu.attention._mask_inputs(only_kv, pads)["offsets"]), [0, 5])
 
 
 @pytest.mark.parametrize("q_offset,kv_offset", [(260, 0), (0, 200),
@@ -929,11 +929,11 @@ def test_offset_schedules_cover_every_visible_pair(q_offset, kv_offset):
   mask = _offset_mask(rng, batch, t, s, q_offset=q_offset,
                       kv_offset=kv_offset, is_causal=True, window=(150, 0),
                       lengths=True, segments=True)
-  plan = mosaic_gpu._Plan(spec=MaskSpec.of(mask),
+  plan = mosaic_gpu.attention._Plan(spec=MaskSpec.of(mask),
                           logits=LogitTransform(0.1, None),
                           config=MosaicGpuConfig().resolved(128), head_dim=128)
   c = plan.config
-  pads = mosaic_gpu._padding(mask, plan)
+  pads = mosaic_gpu.attention._padding(mask, plan)
   visible = np.asarray(mask.visibility())[:, 0]
   # Rows: the forward, per CTA of 2 * block_q queries.
   order, count, classes, _ = map(np.asarray, jax.jit(
@@ -950,7 +950,7 @@ def test_offset_schedules_cover_every_visible_pair(q_offset, kv_offset):
           assert j in visited or not tile.any(), (b, i, j)
           if j in visited:
             step_class = classes[b, i, visited.index(j), w]
-            assert step_class != masks.FULL or (
+            assert step_class != tiles.FULL or (
                 tile.shape == (bq, bk) and tile.all()), (b, i, j)
   # Keys: the dK/dV pass, per CTA of 2 * block_kv keys.
   bq, bk = c.block_q_dkv, c.block_kv_dkv
@@ -966,7 +966,7 @@ def test_offset_schedules_cover_every_visible_pair(q_offset, kv_offset):
           assert i in visited or not tile.any(), (b, j, i)
           if i in visited:
             step_class = classes[b, j, visited.index(i), w]
-            assert step_class != masks.FULL or (
+            assert step_class != tiles.FULL or (
                 tile.shape == (bq, bk) and tile.all()), (b, j, i)
 
 
@@ -974,7 +974,7 @@ def _offset_block_run(mask_rules: dict, backend, *, soft_cap=None):
   """``run(q, k, v, q_offset, kv_offset)``: the block forward, the block
   backward on its result, and ``jax.grad`` through the backend's
   ``__call__``, for one block whose offsets are traced arguments."""
-  from jflash.backends.base import AttentionCall
+  from jflash.core.call import AttentionCall
 
   def run(q, k, v, q_offset, kv_offset):
     batch, t, s = q.shape[0], q.shape[1], k.shape[1]
@@ -1027,7 +1027,7 @@ def test_offset_calls_lower_to_mosaic_gpu(head_dim, rules, x64, config):
   q = jax.ShapeDtypeStruct((batch, t, n, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((batch, s, k, head_dim), jnp.bfloat16)
   offset = jax.ShapeDtypeStruct((), jnp.int32)
-  with jax.enable_x64(x64), mosaic_gpu.lowering_for_hopper():
+  with jax.enable_x64(x64), lowering_for_hopper():
     text = jax.jit(run).trace(q, kv, kv, offset, offset).lower(
         lowering_platforms=("cuda",)).as_text()
   # Per use (block forward and backward, call forward and backward): the
@@ -1041,8 +1041,9 @@ def test_offset_masks_keep_the_default_order_where_cudnn_declines():
   the H100 entry that puts cuDNN first for causal training at this size
   does not apply, the default order stands, and its cuDNN declines the
   call so that mosaic_gpu comes next."""
-  from jflash.backends import cudnn, gpu_table
-  from jflash.backends.base import AttentionCall
+  from jflash.backends import cudnn
+  from jflash.core import gpu_table
+  from jflash.core.call import AttentionCall
   q = jnp.zeros((1, 16384, 2, 128), jnp.bfloat16)
   mask = masks.AttentionMask(batch=1, q_len=16384, kv_len=16384,
                              is_causal=True)
@@ -1054,7 +1055,7 @@ def test_offset_masks_keep_the_default_order_where_cudnn_declines():
       kv_offset=jnp.asarray(0, jnp.int32)))
   assert gpu_table.mask_kind(block) == "offsets"
   assert gpu_table.lookup("H100", block) is None
-  order = jflash.backends.default_order("cuda")
+  order = jflash.default_order("cuda")
   assert order.index("cudnn") < order.index("mosaic_gpu")
   with pytest.raises(NotImplementedError, match="offsets"):
     cudnn.CudnnBackend()(dataclasses.replace(block, platform="cuda"))

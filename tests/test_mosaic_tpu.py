@@ -17,9 +17,10 @@ import pytest
 
 import jflash
 from jflash import masks, reference
+from jflash import tiles as tile_rules
 from jax.experimental import pallas as pl
 
-from jflash.backends.base import AttentionCall
+from jflash.core.call import AttentionCall
 from jflash.backends.mosaic_tpu import MosaicTpuBackend, MosaicTpuConfig
 from jflash.backends.mosaic_tpu import common, config, ops
 from jflash.backends.mosaic_tpu.config import GENERATIONS
@@ -165,7 +166,7 @@ def test_empty_tiles_are_never_copied():
                   local_window_size=(30, 0))
   plan = SMALL.plan(call)
   meta = jax.tree.map(np.asarray, common.metadata(call.mask, plan))
-  classes = np.asarray(masks.tile_classes(call.mask, plan.block_q,
+  classes = np.asarray(tile_rules.tile_classes(call.mask, plan.block_q,
                                           plan.block_kv))[0]
   copies, previous = 0, None
   for i in range(plan.num_q):
@@ -173,16 +174,16 @@ def test_empty_tiles_are_never_copied():
       block, cls = (int(x) for x in common.visit_at(
           meta.kv_visits, meta.kv_count, 0, i, j))
       if j < meta.kv_count[0, i]:
-        assert classes[i, block] != masks.EMPTY and cls == classes[i, block]
+        assert classes[i, block] != tile_rules.EMPTY and cls == classes[i, block]
       if (i, block) != previous:
         copies += 1
-        assert classes[i, block] != masks.EMPTY
+        assert classes[i, block] != tile_rules.EMPTY
       previous = (i, block)
-  assert copies == int((classes != masks.EMPTY).sum())
+  assert copies == int((classes != tile_rules.EMPTY).sum())
 
 
 def test_step_bounds_cover_every_schedule():
-  """masks.max_visited_blocks never cuts a visit list short (checked
+  """tiles.max_visited_blocks never cuts a visit list short (checked
   against a brute-force NumPy mask)."""
   rng = fresh_rng()
   for _ in range(300):
@@ -201,7 +202,7 @@ def test_step_bounds_cover_every_schedule():
     if window is not None:
       visible &= (cols >= rows - window[0]) & (cols <= rows + window[1])
     tiles = _nonempty_tiles(visible[None], bq, bk)[0]
-    per_q, per_kv = masks.max_visited_blocks(mask, bq, bk)
+    per_q, per_kv = tile_rules.max_visited_blocks(mask, bq, bk)
     assert tiles.sum(1).max() <= per_q <= -(-s // bk)
     assert tiles.sum(0).max() <= per_kv <= -(-t // bq)
 
@@ -261,12 +262,12 @@ def test_schedule_shared_by_rows_when_smem_is_short(monkeypatch):
   plan = SMALL.plan(call)
   assert plan.per_batch
   # Per row: 2 rows * 4 query blocks * (2 steps + 1) * 4 bytes = 96 bytes.
-  monkeypatch.setattr(mosaic_tpu, "METADATA_BUDGET_BYTES", 64)
+  monkeypatch.setattr(mosaic_tpu.attention, "METADATA_BUDGET_BYTES", 64)
   assert not SMALL.plan(call).per_batch
   out = case.call_jflash(*case.arrays, implementation=SMALL, interpret=True)
   want = case.call_jflash(*case.arrays, implementation="xla")
   assert rel_err(out, want) < 1e-5
-  monkeypatch.setattr(mosaic_tpu, "METADATA_BUDGET_BYTES", 16)
+  monkeypatch.setattr(mosaic_tpu.attention, "METADATA_BUDGET_BYTES", 16)
   with pytest.raises(NotImplementedError, match="SMEM"):
     SMALL.plan(call)
 

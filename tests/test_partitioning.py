@@ -1,5 +1,5 @@
 """Kernel backends under ``jax.jit`` with ``Auto``-mode ``NamedSharding``
-inputs (``jflash.backends.partitioning``), checked with the TPU kernels in
+inputs (``jflash.parallel.partitioning``), checked with the TPU kernels in
 interpret mode on the host devices, under both Shardy and GSPMD: each
 device runs its batch/head block with no collective, axes the kernels
 cannot split are gathered alone, and sharded sequences run context
@@ -18,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import jflash
 from jflash.backends import (MosaicTpuBackend, MosaicTpuConfig, XlaBackend,
-                             XlaConfig, partitioning)
-from jflash.backends.base import AttentionCall
+                             XlaConfig)
+from jflash.parallel import partitioning
+from jflash.core.call import AttentionCall
 from jflash.masks import AttentionMask
 from tests._support import (Case, fresh_rng, lse_err, random_qkv,
                             random_segments, rel_err)

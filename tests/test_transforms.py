@@ -12,8 +12,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jax.test_util import check_grads
 
 import jflash
-from jflash.backends import (BACKENDS, MosaicTpuBackend, MosaicTpuConfig,
-                             XlaBackend, XlaConfig)
+from jflash import BACKENDS
+from jflash.backends import (MosaicTpuBackend, MosaicTpuConfig, XlaBackend,
+                             XlaConfig)
 from tests._support import (Case, fresh_rng, random_normal, random_qkv,
                             random_segments, rel_err)
 
@@ -501,17 +502,18 @@ def test_context_parallel_calls_are_reverse_mode_only():
     jax.jit(lambda q: jax.jvp(attend, (q, k, v), (q, k, v)))(q)
 
 
-@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
 @pytest.mark.parametrize("form", ["jit", "shard_map", "shard_map+checkpoint",
                                   "shard_map+scan"])
 def test_reverse_mode_runs_the_forward_kernel_once(form):
-  """jax.grad with implementation=None, exported for a TPU from this host:
-  the TPU's program runs the forward kernel once, as the backend's own
-  custom_vjp does.  The per-platform call's backward pass recomputes the
-  forward on a platform other than the host's, so nothing of the forward
-  pass's own kernel may be kept as a residual when the value is unused."""
-  mesh = jax.make_mesh((4,), ("c",), axis_types=(AxisType.Explicit,),
-                       devices=jax.devices()[:4])
+  """jax.grad with implementation=None, exported for a TPU from this host
+  (a mesh of TPU devices): the TPU's program runs the forward kernel once,
+  as the backend's own custom_vjp does, across jit, shard_map, checkpoint
+  and scan boundaries."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  mesh = AbstractMesh((4,), ("c",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(
+                          device_kind="TPU v5 lite", num_cores=None,
+                          platform="tpu"))
 
   def attend(q, k, v):
     return jflash.dot_product_attention(q, k, v, is_causal=True)
@@ -535,7 +537,8 @@ def test_reverse_mode_runs_the_forward_kernel_once(form):
       (4 if sharded else 1, 128, 2, 128), jnp.float32,
       sharding=NamedSharding(mesh, P("c")) if sharded else None)
   grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), (0, 1, 2)))
-  module = jax.export.export(grad, platforms=["tpu"])(
-      spec, spec, spec).mlir_module()
+  with jflash.lowering_for("tpu", "TPU v5 lite"):
+    module = jax.export.export(grad, platforms=["tpu"])(
+        spec, spec, spec).mlir_module()
   kernels = re.findall(r'kernel_name = "jflash_mosaic_tpu_(\w+)"', module)
   assert sorted(kernels) == ["dkv", "dq", "forward"], kernels

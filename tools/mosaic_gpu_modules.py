@@ -28,6 +28,9 @@ import os
 import re
 import sys
 
+HOPPER = "NVIDIA H100 80GB HBM3"
+"""The device kind the modules are lowered for."""
+
 # (head dim, query length, key length, feature).  The 4096-key cells select
 # the fused backward by default at head dims 64 and 128 (without a mask and
 # causal); the others run the two-pass backward.
@@ -121,14 +124,17 @@ def _modules(lowered) -> list[tuple[str, str]]:
 def _save(path: str, only: list[str], x64: bool, text_dir: str | None):
   import jax  # noqa: PLC0415
 
+  import jflash  # noqa: PLC0415
   from jflash.backends import mosaic_gpu  # noqa: PLC0415
 
   if x64:
     jax.config.update("jax_enable_x64", True)
-  # Lowering for CUDA from a host without a Hopper GPU.  Trees older than
-  # lowering_for_hopper have their device check replaced instead.
+  # Lowering for CUDA from a host without a Hopper GPU, in this tree's
+  # way or in an older tree's.
   hopper = contextlib.ExitStack()
-  if hasattr(mosaic_gpu, "lowering_for_hopper"):
+  if hasattr(jflash, "lowering_for"):
+    hopper.enter_context(jflash.lowering_for("cuda", HOPPER))
+  elif hasattr(mosaic_gpu, "lowering_for_hopper"):
     hopper.enter_context(mosaic_gpu.lowering_for_hopper())
   else:
     mosaic_gpu._is_hopper = lambda: True  # noqa: SLF001

@@ -88,8 +88,8 @@ def _compile(fields: dict, head_dims: list[int], plugin: str | None,
   hopper = contextlib.ExitStack()
   if plugin:
     # Lowering for CUDA on the CPU: the target is taken for a Hopper GPU.
-    from jflash.backends import mosaic_gpu  # noqa: PLC0415
-    hopper.enter_context(mosaic_gpu.lowering_for_hopper())
+    hopper.enter_context(jflash.lowering_for("cuda",
+                                             "NVIDIA H100 80GB HBM3"))
     compile_offline = _offline_compiler(plugin)
   for head_dim in head_dims:
     if head_dim > 128 and fields.get("fuse_dq"):

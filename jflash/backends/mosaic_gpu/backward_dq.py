@@ -22,7 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jflash import masks
+from jflash import tiles
 from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.backward_common import (
     optional_inputs, probabilities, score_gradient)
@@ -186,7 +186,7 @@ class _DqKernel:
         def step(i, carry):
           dq, (step_class, kv_tile) = carry
           following = step_info(i + 1)
-          full = step_class == masks.FULL
+          full = step_class == tiles.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(first_step + i, common.i32(stages)) + zero
           q_smem, do_smem = smem.q.at[wg + zero], smem.do.at[wg + zero]

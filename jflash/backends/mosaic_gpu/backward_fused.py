@@ -62,7 +62,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jflash import masks
+from jflash import tiles
 from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.backward_common import (
     QueryRing, optional_inputs, query_ring_bytes, query_ring_scratch,
@@ -286,7 +286,7 @@ class _FusedKernel:
           # would otherwise stall the step's start (the slot below depends
           # on it).
           next_class = class_ref[b, kv_block, lax.rem(i + 1, count), wg]
-          full = step_class == masks.FULL
+          full = step_class == tiles.FULL
           zero = common.loop_variant_zero(step_class)
           slot = lax.rem(i, common.i32(stages)) + zero
           k_smem, v_smem = smem.k.at[wg + zero], smem.v.at[wg + zero]

@@ -20,7 +20,7 @@ from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from jflash import masks
-from jflash.backends.base import vary_as_inputs
+from jflash.core.call import vary_as_inputs
 
 Array = jax.Array
 
@@ -434,7 +434,7 @@ def scratch_dataclass(cls):
 
 def schedule_row(order_ref, count_ref, batch_index, block_index):
   """(number of tiles to visit, function step -> tile index) of one row of a
-  :class:`jflash.masks.TileSchedule` kept in GMEM."""
+  :class:`jflash.tiles.TileSchedule` kept in GMEM."""
   count = count_ref[batch_index, block_index]
 
   def tile_at(step):

@@ -17,7 +17,7 @@ taking items ``c, c + num_ctas, ...``.  Per CTA two warpgroups:
   table page by page (one copy per page, or per part of a page);
 * a consumer: ``Q K^T`` on the tensor cores, online softmax in float32
   registers (base-2 exponent), ``P V``.  Chunks at the edges of the key
-  range take the element mask (:func:`jflash.masks.decode_chunk_class`),
+  range take the element mask (:func:`jflash.tiles.decode_chunk_class`),
   and the ones holding slots outside it have those rows of V zeroed in
   shared memory before ``P V``: such slots may hold anything, NaN
   included, and ``0 * NaN`` would reach the output.
@@ -25,7 +25,7 @@ taking items ``c, c + num_ctas, ...``.  Per CTA two warpgroups:
 Each item writes its rows' normalized output and natural-log logsumexp in
 float32 (only the rows that hold queries, rounded up to 8, leave shared
 memory); the splits are merged exactly, in split order, by
-:func:`jflash.backends.decode_xla.merge_normalized`: reruns give the same
+:func:`jflash.backends.xla.decode.merge_normalized`: reruns give the same
 bits.
 """
 
@@ -40,12 +40,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jflash import masks
-from jflash.backends.base import check_config
-from jflash.backends.decode_base import DecodeCall
-from jflash.backends.decode_xla import (group_rows, merge_normalized,
-                                        ungroup_rows)
-from jflash.backends.mosaic_gpu import common, is_hopper
+from jflash import masks, tiles
+from jflash.core.call import check_config
+from jflash.core.call import DecodeCall
+from jflash.core.platform import is_hopper
+from jflash.core.splits import group_rows, merge_normalized, ungroup_rows
+from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.common import (
     COL, ROW, LogitTransform, broadcast_cols, broadcast_rows, i32)
 
@@ -333,7 +333,7 @@ class _Consumer:
     acc, m, l = carry
     slot = self.slot_of(j)
     start = (self.item.first_chunk + j) * st.block_kv
-    full, unseen = masks.decode_chunk_class(self.item.bounds, start,
+    full, unseen = tiles.decode_chunk_class(self.item.bounds, start,
                                             st.block_kv)
     tile = (ROWS, st.block_kv)
     plgpu.barrier_wait(smem.k_ready.at[slot])
@@ -510,8 +510,10 @@ class MosaicGpuDecodeBackend:
       raise NotImplementedError(f"Hopper decode kernel: {reason}")
     if call.interpret:
       decline("it uses wgmma, which Pallas interpret mode cannot run")
-    if not is_hopper():
-      decline("it needs a Hopper GPU (compute capability 9.x)")
+    tgt = call.target()
+    if tgt.platform != "cuda" or not is_hopper(tgt.device_kind):
+      decline(f"it needs a Hopper GPU (compute capability 9.x), the call "
+              f"is traced for {tgt.platform} {tgt.device_kind!r}")
     if call.dtype not in (jnp.bfloat16, jnp.float16):
       decline(f"it computes in bfloat16/float16 only, got {call.dtype}")
     head_dim = call.query.shape[-1]
@@ -533,7 +535,7 @@ class MosaicGpuDecodeBackend:
     rows = num_heads // kv_heads * num_new
     row_tiles = -(-rows // ROWS)
     block_kv = self.config.chunk(head_dim)
-    max_chunks = max(1, masks.decode_max_chunks(
+    max_chunks = max(1, tiles.decode_max_chunks(
         num_new, call.capacity, block_kv, call.window))
     base = batch * kv_heads * row_tiles
     splits = self.config.num_splits

@@ -15,7 +15,7 @@ the consumers finish the last.  Three warpgroups:
   overlaps the other's matrix products and one's epilogue (normalizing and
   storing an item's output) never holds up the other;
 * one producer warpgroup that streams the nonempty K/V tiles of the CTA's
-  row block (from :func:`jflash.masks.tile_schedule`) through a ring of
+  row block (from :func:`jflash.tiles.tile_schedule`) through a ring of
   ``stages`` shared-memory buffers with TMA, waiting on "consumed" barriers
   before reusing a slot.
 
@@ -35,7 +35,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jflash import masks
+from jflash import tiles
 from jflash.backends.mosaic_gpu import common
 from jflash.backends.mosaic_gpu.common import (
     COL, ROW, LogitTransform, MaskSpec, broadcast_cols, broadcast_rows)
@@ -198,7 +198,7 @@ class _ItemSteps:
       return self.masked(s, kv_tile, kv_seg)
     with _region("softmax"):
       p, m_new, rescale = _exponentials(
-          qk, m, full=step_class == masks.FULL, logits=self.logits,
+          qk, m, full=step_class == tiles.FULL, logits=self.logits,
           masked=mask_step)
       if self.segments_ride_k:
         plgpu.barrier_arrive(self.smem.k_free.at[slot])

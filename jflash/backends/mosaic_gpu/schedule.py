@@ -1,6 +1,6 @@
 """Visiting orders of the Hopper kernels' persistent CTAs.
 
-Built on :func:`jflash.masks.tile_schedule`: the order in which CTAs take
+Built on :func:`jflash.tiles.tile_schedule`: the order in which CTAs take
 their blocks of work (longest first), and, for the fused backward, each key
 block's query tiles in decreasing order with the position of its dQ
 contribution in a fixed-order sum; and the metadata each kernel gets
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jflash import masks
-from jflash.backends.padding import pad_axis
+from jflash import masks, tiles
+from jflash.core.padding import pad_axis
 
 Array = jax.Array
 
@@ -27,7 +27,7 @@ def visited_in_reverse(order: Array, count: Array) -> Array:
 
   Args:
     order: int ``[..., m]``, e.g. ``q_order`` of a
-      :class:`jflash.masks.TileSchedule`.
+      :class:`jflash.tiles.TileSchedule`.
     count: int ``[...]``: how many leading entries are visited.
   """
   steps = jnp.arange(order.shape[-1])
@@ -96,7 +96,7 @@ def heaviest_first(count: Array) -> Array:
 
   Args:
     count: int ``[B, n]``: tiles visited per block (``kv_count`` or
-      ``q_count`` of a :class:`jflash.masks.TileSchedule`).
+      ``q_count`` of a :class:`jflash.tiles.TileSchedule`).
 
   Returns:
     int32 ``[B * n]``: the flat indices ``b * n + i`` in decreasing order of
@@ -109,7 +109,7 @@ def _classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
              pads) -> Array:
   """int32 tile classes covering the padded extent (extra tiles EMPTY),
   ``[B, Tp / block_q, Sp / block_kv]``."""
-  classes = masks.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
+  classes = tiles.tile_classes(mask, block_q, block_kv).astype(jnp.int32)
   classes = pad_axis(classes, 1, pads.q_pad // block_q)
   return pad_axis(classes, 2, pads.kv_pad // block_kv)
 
@@ -134,7 +134,7 @@ def classes_per_step(classes: Array, order: Array) -> Array:
 
 def _kv_schedule(mask, block_q, block_kv, pads):
   """Per ``block_q`` query rows: nonempty key tiles first, and their count."""
-  sched = masks.tile_schedule(mask, block_q, block_kv)
+  sched = tiles.tile_schedule(mask, block_q, block_kv)
   order = pad_axis(pad_axis(sched.kv_order, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // block_kv)
   return order, pad_axis(sched.kv_count, 1, pads.q_pad // block_q)
@@ -142,7 +142,7 @@ def _kv_schedule(mask, block_q, block_kv, pads):
 
 def _q_schedule(mask, block_q, block_kv, pads):
   """Per ``block_kv`` keys: nonempty query tiles first, and their count."""
-  sched = masks.tile_schedule(mask, block_q, block_kv)
+  sched = tiles.tile_schedule(mask, block_q, block_kv)
   order = pad_axis(pad_axis(sched.q_order, 1, pads.kv_pad // block_kv), 2,
                     pads.q_pad // block_q)
   return order, pad_axis(sched.q_count, 1, pads.kv_pad // block_kv)
@@ -193,7 +193,7 @@ def fused_keys_metadata(mask, block_q, block_kv, pads, slots: int = 1):
   order = visited_in_reverse(order, count)
   classes = jnp.swapaxes(_classes(mask, block_q, block_kv, pads), 1, 2)
   classes = classes_per_step(classes, order)
-  visits = masks.tile_classes(mask, block_q, 2 * block_kv) != masks.EMPTY
+  visits = tiles.tile_classes(mask, block_q, 2 * block_kv) != tiles.EMPTY
   visits = pad_axis(pad_axis(visits, 1, pads.q_pad // block_q), 2,
                     pads.kv_pad // (2 * block_kv))
   ranks = earlier_visitors(visits, order, slots)

@@ -24,9 +24,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jflash import masks
-from jflash.backends import trace_time
-from jflash.backends.base import varying_result
+from jflash import masks, tiles
+from jflash.core import trace_time
+from jflash.core.call import varying_result
 
 Array = jax.Array
 
@@ -46,7 +46,7 @@ class Plan:
     block_q, block_kv: the tiling shared by all three kernels.
     num_q, num_kv: blocks along ``T`` and ``S``.
     kv_steps: grid extent over the visited key blocks of a query block
-      (forward, dQ), from :func:`jflash.masks.max_visited_blocks`.
+      (forward, dQ), from :func:`jflash.tiles.max_visited_blocks`.
     q_steps: grid extent over the visited query blocks of a key block
       (dK/dV).
     head_dim: ``H`` padded to 128 lanes.
@@ -97,8 +97,8 @@ class Metadata:
   to every kernel by scalar prefetch.
 
   Each entry of a visit list packs a block index and its tile class:
-  ``block * 4 + class`` (class :data:`jflash.masks.PARTIAL` or
-  :data:`~jflash.masks.FULL` for the first ``count`` entries).
+  ``block * 4 + class`` (class :data:`jflash.tiles.PARTIAL` or
+  :data:`~jflash.tiles.FULL` for the first ``count`` entries).
 
   Attributes:
     kv_visits: int32 ``[Bs, nq, kv_steps]``: per query block, its nonempty
@@ -116,14 +116,14 @@ class Metadata:
 
 
 def metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
-  """Tile visits from :func:`jflash.masks.tile_schedule`, cut to the static
+  """Tile visits from :func:`jflash.tiles.tile_schedule`, cut to the static
   step counts of ``plan`` (never fewer than the nonempty tiles); constants
   built while tracing when they depend on shapes only."""
   return trace_time.constant_if_static(_metadata, mask, plan)
 
 
 def _metadata(mask: masks.AttentionMask, plan: Plan) -> Metadata:
-  sched = masks.tile_schedule(mask, plan.block_q, plan.block_kv,
+  sched = tiles.tile_schedule(mask, plan.block_q, plan.block_kv,
                               merge_batch=not plan.per_batch)
   classes = sched.classes.astype(jnp.int32)
   kv_order = sched.kv_order[:, :, :plan.kv_steps]
@@ -352,10 +352,10 @@ def when_visited(count, j, cls, step) -> None:
   with the element mask for a PARTIAL one; nothing past the count."""
   visited = j < count
 
-  @pl.when(visited & (cls == masks.FULL))
+  @pl.when(visited & (cls == tiles.FULL))
   def _full():
     step(False)
 
-  @pl.when(visited & (cls != masks.FULL))
+  @pl.when(visited & (cls != tiles.FULL))
   def _partial():
     step(True)

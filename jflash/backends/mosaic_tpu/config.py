@@ -1,7 +1,7 @@
 """Tiling and VMEM budget of the ``mosaic_tpu`` backend, per TPU generation.
 
 One tiling ``block_q x block_kv`` serves the forward, dQ and dK/dV kernels,
-because one tile schedule (:func:`jflash.masks.tile_schedule`) is computed
+because one tile schedule (:func:`jflash.tiles.tile_schedule`) is computed
 per call and shared by all three.  Defaults come from
 :data:`GENERATIONS`, keyed by ``jax.devices()[0].device_kind``; the
 arithmetic behind them is in ``docs/tpu.md`` and in :func:`vmem_estimate`.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 LANES = 128
@@ -85,17 +84,6 @@ _DEVICE_KINDS = {
     "TPU v5": "v5p", "TPU v5p": "v5p",
     "TPU v6 lite": "v6e", "TPU v6e": "v6e",
 }
-
-
-def target_device() -> tuple[str, str]:
-  """``(platform, device_kind)`` that a call is traced for: the abstract
-  device of an active ``jax.sharding.use_abstract_mesh`` when it names one
-  (e.g. exporting for a TPU from a CPU host with
-  ``jax.export.export(..., platforms=["tpu"])``), else the default device."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is not None:
-    return device.platform, device.device_kind
-  return jax.default_backend(), jax.devices()[0].device_kind
 
 
 def generation_of(device_kind: str) -> Generation:

@@ -1,15 +1,17 @@
 """What a backend receives and the contract it follows.
 
-A backend is a callable that takes one :class:`AttentionCall` (inputs already
-validated and put in canonical 4-D form by :mod:`jflash.attention`) and
-returns ``(out, logsumexp)``, differentiable with respect to query, key,
-value and bias.
+An attention backend is a callable with a ``name`` that takes one
+:class:`AttentionCall` (inputs already validated and put in canonical 4-D
+form by :mod:`jflash.attention`) and returns ``(out, logsumexp)``,
+differentiable with respect to query, key, value and bias.  A decode
+backend takes one :class:`DecodeCall` (from :mod:`jflash.decode`) and
+returns the same pair; decoding is inference, so it needs no derivative.
 
-Contract:
+Contract, for both:
   * ``NotImplementedError``: "I cannot serve this call" (platform, dtype,
     feature, shape); dispatch tries the next backend.  The message says why.
-  * Anything it accepts it computes exactly as :mod:`jflash.reference`
-    defines; it never drops an argument.
+  * Anything it accepts it computes exactly as :mod:`jflash.reference` and
+    :mod:`jflash.masks` define; it never drops an argument.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 
 import jax
 
+from jflash.core.platform import Target, target
 from jflash.masks import AttentionMask
 
 Array = jax.Array
@@ -43,10 +46,11 @@ class AttentionCall:
     interpret: run Pallas kernels through the Pallas interpreter (on the
       CPU).  A backend with Pallas kernels that cannot be interpreted
       declines; a backend with no kernels of its own (``xla``) is unaffected.
-    platform: the platform this call is lowered for (``"cpu"``,
-      ``"cuda"``, ``"rocm"``, ``"tpu"``), set when ``implementation=None``
-      traces one branch per platform; None for the platform of the trace
-      (an abstract mesh's device, else the default backend).
+    platform: the platform this call is traced for (``"cpu"``,
+      ``"cuda"``, ``"rocm"``, ``"tpu"``), set by the dispatcher; None
+      for :func:`jflash.core.platform.target` of the inputs.
+    device_kind: the target device's ``jax.Device.device_kind`` (``""``
+      when unknown); read with ``platform``.
     context_parallel: the caller's ``jflash.ContextParallel`` (strategy
       and layout) for kernels that find the sequence sharded while XLA
       partitions them (``Auto`` mesh axes); None for the defaults.
@@ -62,7 +66,14 @@ class AttentionCall:
   returns_residual: bool = False
   interpret: bool = False
   platform: str | None = None
+  device_kind: str = ""
   context_parallel: Any = None
+
+  def target(self) -> Target:
+    """The platform and device this call is traced for."""
+    if self.platform is not None:
+      return Target(self.platform, self.device_kind)
+    return target(self.query)
 
   @property
   def dtype(self):
@@ -70,9 +81,14 @@ class AttentionCall:
 
   @property
   def shape_description(self) -> str:
-    b, t, n, h = self.query.shape
-    s, k = self.key.shape[1], self.key.shape[2]
-    return f"B={b} T={t} S={s} N={n} K={k} H={h} dtype={self.dtype}"
+    return describe_shapes(self.query, self.key, f"S={self.key.shape[1]}")
+
+
+def describe_shapes(query: Array, key: Array, keys: str) -> str:
+  """``B=.. T=.. <keys> N=.. K=.. H=.. dtype=..`` for messages and logs."""
+  b, t, n, h = query.shape
+  return (f"B={b} T={t} {keys} N={n} K={key.shape[2]} H={h} "
+          f"dtype={query.dtype}")
 
 
 class Backend(Protocol):
@@ -142,3 +158,82 @@ def check_config(config, positive_ints: tuple[str, ...],
       raise ValueError(f"{kind}.{name} must be a positive int, got "
                        f"{value!r}")
 
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+  """One canonical decode call.
+
+  Attributes:
+    query: ``[B, T, N, H]``, the ``T`` new tokens' queries.
+    key, value: the cache: ``[B, S, K, H]`` (contiguous), or pages
+      ``[P, page_size, K, H]`` when ``block_table`` is given; same dtype as
+      ``query``; ``N % K == 0``.
+    lengths: int32 ``[B]`` in ``[0, capacity]``: valid cache slots of each
+      sequence, the ``T`` new tokens included.
+    block_table: int32 ``[B, max_pages]`` or None: slot ``s`` of sequence
+      ``b`` is row ``s % page_size`` of page ``block_table[b, s //
+      page_size]``.
+    scale: multiplies ``query . key``.
+    logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, or None.
+    window: ``(left, right)`` or None: query at position ``p`` sees slots
+      ``p - left .. p`` (the right side cannot reach past ``p``).
+    interpret: run Pallas kernels through the Pallas interpreter (on the
+      CPU); a backend without kernels (``xla``) is unaffected.
+    platform, device_kind: what the call is traced for, as in
+      :class:`AttentionCall`.
+  """
+
+  query: Array
+  key: Array
+  value: Array
+  lengths: Array
+  block_table: Array | None
+  scale: float = dataclasses.field(metadata=dict(static=True))
+  logits_soft_cap: float | None = dataclasses.field(
+      metadata=dict(static=True))
+  window: tuple[int, int] | None = dataclasses.field(
+      metadata=dict(static=True))
+  interpret: bool = dataclasses.field(default=False,
+                                      metadata=dict(static=True))
+  platform: str | None = dataclasses.field(default=None,
+                                           metadata=dict(static=True))
+  device_kind: str = dataclasses.field(default="",
+                                       metadata=dict(static=True))
+
+  def target(self) -> Target:
+    """The platform and device this call is traced for."""
+    if self.platform is not None:
+      return Target(self.platform, self.device_kind)
+    return target(self.query)
+
+  @property
+  def paged(self) -> bool:
+    return self.block_table is not None
+
+  @property
+  def page_size(self) -> int | None:
+    return self.key.shape[1] if self.paged else None
+
+  @property
+  def capacity(self) -> int:
+    """``S``: cache slots per sequence (``max_pages * page_size`` when
+    paged)."""
+    if self.paged:
+      return self.block_table.shape[1] * self.key.shape[1]
+    return self.key.shape[1]
+
+  @property
+  def num_new(self) -> int:
+    return self.query.shape[1]
+
+  @property
+  def dtype(self):
+    return self.query.dtype
+
+  @property
+  def shape_description(self) -> str:
+    layout = (f"paged P={self.key.shape[0]} page_size={self.page_size} "
+              f"max_pages={self.block_table.shape[1]}" if self.paged
+              else f"S={self.capacity}")
+    return describe_shapes(self.query, self.key, layout)

@@ -18,7 +18,8 @@ import re
 
 import jax
 
-from jflash.backends.base import AttentionCall
+from jflash.backends.mosaic_gpu.config import padded_head_dim
+from jflash.core.call import AttentionCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,17 +170,14 @@ def mask_kind(call: AttentionCall) -> str:
   return "causal" if mask.is_causal else "none"
 
 
-def _head_dim_bucket(head_dim: int) -> int | None:
-  return next((w for w in (64, 128, 256) if head_dim <= w), None)
-
-
 def lookup(gpu: str | None, call: AttentionCall,
            table: tuple[Entry, ...] = TABLE) -> Entry | None:
   """The entry for ``call`` on ``gpu``, or None."""
   _, _, num_heads, head_dim = call.query.shape
   candidates = [
       e for e in table
-      if e.gpu == gpu and e.head_dim == _head_dim_bucket(head_dim)
+      if e.gpu == gpu and head_dim <= 256
+      and e.head_dim == padded_head_dim(head_dim)
       and e.mask == mask_kind(call)
       and e.gqa == (call.key.shape[2] != num_heads)
       and e.dtype == str(call.dtype)]

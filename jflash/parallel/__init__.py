@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jflash.backends import context
+from jflash.parallel import context
 
 Array = jax.Array
 
@@ -74,6 +74,18 @@ class ContextParallel:
         isinstance(n, str) for n in names)):
       raise ValueError("ContextParallel.axis_name must be None, a mesh axis "
                        f"name or a tuple of names, got {self.axis_name!r}")
+
+  def axis_size(self) -> int:
+    """How many shards the local arrays are of, inside a ``shard_map``
+    over :attr:`axis_name`."""
+    try:
+      return lax.axis_size(self.axis_name)
+    except NameError as err:
+      raise ValueError(
+          f"context_parallel.axis_name={self.axis_name!r} names no mesh axis "
+          "bound here; pass it inside a jax.shard_map over that axis "
+          "(outside one, shard the inputs' sequence axis and leave "
+          "axis_name None)") from err
 
   def plan(self, axis: str | tuple[str, ...], size: int, num_heads: int,
            num_kv_heads: int) -> context.Plan:

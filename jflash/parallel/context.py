@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jflash import masks
-from jflash.backends.base import AttentionCall, Backend
+from jflash import tiles
+from jflash.core.call import AttentionCall, Backend
 
 Array = jax.Array
 
@@ -198,7 +198,7 @@ def _ring_reach(call: AttentionCall, plan: Plan) -> tuple[int, int]:
       src = (i - distance) % n
       for _, q_len, q_off in plan.chunks(i, t):
         for _, kv_len, kv_off in plan.chunks(src, s):
-          if masks.ranges_may_see(q_off, q_len, kv_off, kv_len,
+          if tiles.ranges_may_see(q_off, q_len, kv_off, kv_len,
                                   is_causal=mask.is_causal,
                                   window=mask.window):
             return True

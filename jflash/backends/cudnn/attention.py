@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jflash.backends.base import AttentionCall
+from jflash.core.call import AttentionCall
 
 Array = jax.Array
 
@@ -37,9 +37,9 @@ class CudnnBackend:
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
     if call.interpret:
       _decline("cuDNN kernels cannot run in Pallas interpret mode")
-    platform = call.platform or jax.default_backend()
-    if platform not in ("gpu", "cuda"):
-      _decline(f"needs a CUDA GPU, the call is lowered for {platform!r}")
+    platform = call.target().platform
+    if platform != "cuda":
+      _decline(f"needs a CUDA GPU, the call is traced for {platform!r}")
     mask = call.mask
     if call.dtype not in (jnp.bfloat16, jnp.float16):
       _decline(f"needs bfloat16 or float16 inputs, got {call.dtype}")

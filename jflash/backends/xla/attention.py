@@ -3,7 +3,7 @@
 The FlashAttention recurrence written with ``lax`` loops: the ``[T, S]``
 score matrix is visited one ``block_q x block_kv`` tile at a time with an
 online softmax, so memory stays linear in sequence length.  Tiles that
-:func:`jflash.masks.tile_schedule` marks empty are never computed.  The
+:func:`jflash.tiles.tile_schedule` marks empty are never computed.  The
 backward pass (its own ``jax.custom_vjp``) recomputes probabilities tile by
 tile from the saved logsumexp, in two passes (dQ; then dK and dV), neither
 of which needs atomics, so results are deterministic.
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jflash import masks
-from jflash.backends.base import AttentionCall, check_config
-from jflash.backends.padding import pad_axis
+from jflash import masks, tiles
+from jflash.core.call import AttentionCall, check_config
+from jflash.core.padding import pad_axis
 
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
@@ -185,7 +185,7 @@ class _Tiles:
     return s, tanh
 
 
-def _forward(q, k, v, bias, mask, sched: masks.TileSchedule, plan: _Plan,
+def _forward(q, k, v, bias, mask, sched: tiles.TileSchedule, plan: _Plan,
              static_trip: bool = False):
   """``(out, lse)``.  ``static_trip``: every query block's loop runs over
   all key blocks, skipping the ones not scheduled, so that it is a scan
@@ -332,10 +332,10 @@ def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
 
 
-def _schedule(mask, plan: _Plan) -> masks.TileSchedule:
+def _schedule(mask, plan: _Plan) -> tiles.TileSchedule:
   # One schedule for the whole batch (a tile is visited if any row needs
   # it), so the loops stay batch-vectorized and batch sharding survives.
-  return masks.tile_schedule(mask, plan.block_q, plan.block_kv,
+  return tiles.tile_schedule(mask, plan.block_q, plan.block_kv,
                              merge_batch=True)
 
 

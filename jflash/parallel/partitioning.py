@@ -9,7 +9,7 @@ this module how to split them, once it knows the inputs' shardings:
 * batch and heads (query and key/value heads together; under MQA the one
   key/value head is replicated and its gradients summed over the head
   axes): each device runs the kernel on its block, with no communication;
-* the query sequence: context parallelism (:mod:`jflash.backends.context`)
+* the query sequence: context parallelism (:mod:`jflash.parallel.context`)
   over the sequence's mesh axes, keys and values sharded like the queries;
 * anything the kernels cannot split (the head dim, a batch or head count
   that does not divide into the shards, a sequence the backend's block
@@ -38,8 +38,8 @@ from jax.experimental.custom_partitioning import (ArrayMapping,
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jflash.backends import context, sharding
-from jflash.backends.base import AttentionCall, Backend
+from jflash.parallel import context, sharding
+from jflash.core.call import AttentionCall, Backend
 
 if TYPE_CHECKING:
   from jflash.parallel import ContextParallel
@@ -205,19 +205,6 @@ def _spec(shape) -> tuple:
   return spec + (None,) * (len(shape.shape) - len(spec))
 
 
-def _axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _size(mesh, entry) -> int:
-  size = 1
-  for axis in _axes(entry):
-    size *= mesh.shape[axis]
-  return size
-
-
 def _layout(static: _Static, mesh, q_shape, k_shape) -> _Layout:
   """The split of a call whose query and key arrive sharded as
   ``q_shape`` and ``k_shape``: batch and heads take the query's mesh axes
@@ -230,11 +217,11 @@ def _layout(static: _Static, mesh, q_shape, k_shape) -> _Layout:
 
   def take(entry, size: int, *more_sizes: int):
     """``entry`` if its shards divide every size and its axes are free."""
-    parts = _size(mesh, entry)
+    parts = sharding.shard_count(mesh, entry)
     if (entry is None or any(n % parts for n in (size,) + more_sizes)
-        or used & set(_axes(entry))):
+        or used & set(sharding.mesh_axes(entry))):
       return None
-    used.update(_axes(entry))
+    used.update(sharding.mesh_axes(entry))
     return entry
 
   b = take(q_spec[0] if q_spec[0] is not None else k_spec[0], batch)
@@ -243,11 +230,11 @@ def _layout(static: _Static, mesh, q_shape, k_shape) -> _Layout:
   h = q_spec[2] if q_spec[2] is not None else (
       k_spec[2] if kv_heads > 1 else None)
   h = take(h, heads, *((kv_heads,) if kv_heads > 1 else ()))
-  kv_h = None if (kv_heads == 1 and _size(mesh, h) > 1) else h
+  kv_h = None if (kv_heads == 1 and sharding.shard_count(mesh, h) > 1) else h
   seq = take(q_spec[1], static.q_shape[1], static.kv_shape[1])
   plan = None
-  if _size(mesh, seq) > 1:
-    plan = _sequence_plan(static, mesh, b, seq, h, kv_h, _size(mesh, seq))
+  if sharding.shard_count(mesh, seq) > 1:
+    plan = _sequence_plan(static, mesh, b, seq, h, kv_h, sharding.shard_count(mesh, seq))
   return _Layout(b, seq if plan is not None else None, h, kv_h, plan)
 
 
@@ -265,7 +252,7 @@ def _sequence_plan(static: _Static, mesh, b, seq, h, kv_h,
   strategy = getattr(parallel, "strategy", "auto")
   if strategy == "auto":
     strategy = context.default_strategy(heads, kv_heads)
-  axis = _axes(seq)
+  axis = sharding.mesh_axes(seq)
   plan = context.Plan(axis=axis if len(axis) > 1 else axis[0], size=shards,
                       strategy=strategy,
                       layout=getattr(parallel, "layout", "contiguous"))
@@ -289,7 +276,7 @@ def _local_shapes(static: _Static, mesh, layout: _Layout) -> tuple:
   """Abstract ``(q, k, v, mask arrays)`` of one device's blocks."""
   def local(shape, spec, dtype):
     return jax.ShapeDtypeStruct(
-        tuple(d // _size(mesh, e) for d, e in zip(shape, spec)), dtype)
+        tuple(d // sharding.shard_count(mesh, e) for d, e in zip(shape, spec)), dtype)
 
   whole = {"q_lengths": (static.q_shape[0],),
            "kv_lengths": (static.q_shape[0],),
@@ -476,7 +463,7 @@ def _backward(static: _Static) -> custom_partitioning:
                                       out, lse, d_out, d_lse)
       if layout.summed_heads is not None:
         # MQA: every device's query heads read the one key/value head.
-        dk, dv = (lax.psum(g.astype(jnp.float32), _axes(layout.heads))
+        dk, dv = (lax.psum(g.astype(jnp.float32), sharding.mesh_axes(layout.heads))
                   for g in (dk, dv))
       return tuple(g.astype(x.dtype) for g, x in zip((dq, dk, dv),
                                                       (q, k, v)))

@@ -5,10 +5,10 @@ shardings (``jax.sharding.AxisType.Explicit`` meshes), the batch and head
 axes are independent, so :func:`per_shard` runs the backend inside
 ``jax.shard_map`` on each device's block, with no communication.  Inputs
 whose sequence axis is sharded go to :func:`run_sequence_sharded`, which
-runs context parallelism (:mod:`jflash.backends.context`) inside a
+runs context parallelism (:mod:`jflash.parallel.context`) inside a
 ``shard_map`` over the batch, sequence and head axes.  Under ``Auto``
 sharding the shardings are not known while tracing; the partitioner splits
-the kernels there (:mod:`jflash.backends.partitioning`).
+the kernels there (:mod:`jflash.parallel.partitioning`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jflash.backends.base import AttentionCall
+from jflash.core.call import AttentionCall
 
 Array = jax.Array
 
@@ -33,7 +33,8 @@ def _explicit_spec(x: Array) -> tuple | None:
   return tuple(spec) + (None,) * (x.ndim - len(spec))
 
 
-def _axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry) -> tuple[str, ...]:
+  """The mesh axis names of one entry of a ``PartitionSpec``."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -66,9 +67,9 @@ def per_shard(call: AttentionCall, run: Callable[[AttentionCall],
           f"{name}: inputs sharded along a sequence or head-dim axis ({spec})"
           " need the other devices' keys; shard batch or heads only")
   mesh = jax.typeof(call.query).sharding.mesh
-  batch_axes, head_axes = _axes(q_spec[0]), _axes(q_spec[2])
-  batch_parts = _size(mesh, batch_axes)
-  head_parts = _size(mesh, head_axes)
+  batch_axes, head_axes = mesh_axes(q_spec[0]), mesh_axes(q_spec[2])
+  batch_parts = shard_count(mesh, batch_axes)
+  head_parts = shard_count(mesh, head_axes)
   batch, _, heads, _ = call.query.shape
   kv_heads = call.key.shape[2]
   if batch % batch_parts or heads % head_parts or kv_heads % head_parts:
@@ -111,11 +112,12 @@ def _mask_array_spec(name: str, batch, sequence) -> P:
   return P(batch, sequence)
 
 
-def _size(mesh, axes: tuple[str, ...]) -> int:
-  size = 1
-  for axis in axes:
-    size *= mesh.shape[axis]
-  return size
+def shard_count(mesh, entry) -> int:
+  """How many shards a ``PartitionSpec`` entry cuts an axis into."""
+  shards = 1
+  for axis in mesh_axes(entry):
+    shards *= mesh.shape[axis]
+  return shards
 
 
 def sequence_axes(call: AttentionCall) -> tuple[str, ...] | None:
@@ -124,7 +126,7 @@ def sequence_axes(call: AttentionCall) -> tuple[str, ...] | None:
   spec = _explicit_spec(call.query)
   if spec is None or spec[1] is None:
     return None
-  return _axes(spec[1])
+  return mesh_axes(spec[1])
 
 
 def run_sequence_sharded(
@@ -140,11 +142,11 @@ def run_sequence_sharded(
   q_spec = _explicit_spec(call.query)
   b, seq, h = q_spec[0], q_spec[1], q_spec[2]
   mesh = jax.typeof(call.query).sharding.mesh
-  seq_axes = _axes(seq)
-  shards = _size(mesh, seq_axes)
+  seq_axes = mesh_axes(seq)
+  shards = shard_count(mesh, seq_axes)
   batch, q_len, heads, _ = call.query.shape
   kv_len, kv_heads = call.key.shape[1], call.key.shape[2]
-  batch_parts, head_parts = _size(mesh, _axes(b)), _size(mesh, _axes(h))
+  batch_parts, head_parts = shard_count(mesh, b), shard_count(mesh, h)
   for name, size, parts in (("query sequence T", q_len, shards),
                             ("key sequence S", kv_len, shards),
                             ("batch B", batch, batch_parts),
@@ -172,7 +174,7 @@ def run_sequence_sharded(
     return run_local(local, seq_axes if len(seq_axes) > 1 else seq_axes[0],
                      shards)
 
-  axes = set(_axes(b) + seq_axes + _axes(h))
+  axes = set(mesh_axes(b) + seq_axes + mesh_axes(h))
   mapped = jax.shard_map(
       body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, present_specs),
       out_specs=(x_spec, P(b, seq, h)), axis_names=axes, check_vma=False)

@@ -1,6 +1,6 @@
 """Tile metadata built while tracing when it depends on shapes alone.
 
-A schedule (:func:`jflash.masks.tile_schedule` and what kernels derive from
+A schedule (:func:`jflash.tiles.tile_schedule` and what kernels derive from
 it) depends on per-call data only through lengths, segment ids and a dense
 mask.  Without them it is a function of static shapes: computing it at trace
 time turns a few hundred small XLA operations per call into constants.

@@ -12,7 +12,7 @@ sequence's key range (:func:`jflash.masks.decode_key_range`, scalar
 prefetched as ``first_chunk`` and ``num_needed``) map to the previous
 block, which the pipeline does not fetch again, and compute nothing.  Each
 split writes its unnormalized ``(m, l, acc)``; the splits are merged
-exactly, in split order, by :func:`jflash.backends.decode_xla.merge_partials`.
+exactly, in split order, by :func:`jflash.backends.xla.decode.merge_partials`.
 
 The cache is read as ``[P, page_size, K * H]`` (a free reshape of ``[P,
 page_size, K, H]``); a cell's block is head ``k``'s ``[chunk, H]`` slab.
@@ -35,11 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jflash import masks
-from jflash.backends.base import varying_result
-from jflash.backends.decode_base import DecodeCall
-from jflash.backends.decode_xla import (DecodeConfig, group_rows,
-                                        make_plan, merge_partials,
-                                        ungroup_rows)
+from jflash.core.call import varying_result
+from jflash.core.call import DecodeCall
+from jflash.core.splits import (DecodeConfig, group_rows, make_plan,
+                                 merge_partials, ungroup_rows)
 
 Array = jax.Array
 
@@ -222,10 +221,12 @@ class MosaicTpuDecodeBackend:
       raise NotImplementedError(f"{self.name} decode serves float32, "
                                 f"bfloat16 and float16, got {call.dtype}")
     if not call.interpret:
-      if jax.default_backend() != "tpu":
+      platform = call.target().platform
+      if platform != "tpu":
         raise NotImplementedError(
-            f"{self.name} decode runs on a TPU; pass interpret=True to run "
-            "it in Pallas's interpret mode")
+            f"{self.name} decode runs on a TPU (the call is traced for "
+            f"{platform!r}); pass interpret=True to run it in Pallas's "
+            "interpret mode")
       self._check_tpu_blocks(call)
     chunk_size = call.page_size if call.paged else self.config.chunk_size
     plan = make_plan(call, dataclasses.replace(self.config,

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 
-from jflash.backends.base import AttentionCall
+from jflash.core.call import AttentionCall
 from jflash.backends.xla import XlaBackend
 
 Array = jax.Array
@@ -51,8 +51,8 @@ Serve = Callable[[AttentionCall], tuple[Array, Array]]
 
 
 def differentiable(call: AttentionCall, serve: Serve,
-                   xla: XlaBackend | None,
-                   unavailable: str = "") -> tuple[Array, Array]:
+                   xla: XlaBackend | None, unavailable: str = "",
+                   value: Serve | None = None) -> tuple[Array, Array]:
   """``serve(call)`` (``(out [B, T, N, H], lse [B, T, N])``) with
   derivatives of every mode and order.
 
@@ -60,7 +60,9 @@ def differentiable(call: AttentionCall, serve: Serve,
     call: the call, whose floating arrays (query, key, value, bias) are
       differentiated.
     serve: the chosen backends; ``jax.vjp`` of it runs their forward and
-      backward passes.
+      backward passes whenever a derivative is taken.
+    value: the backends that compute the value where no derivative is
+      taken (default: ``serve``).
     xla: the backend whose formulation gives forward-mode tangents and the
       derivatives of the backward pass; None where they are not available
       (evaluating them raises ``NotImplementedError`` with ``unavailable``
@@ -70,13 +72,14 @@ def differentiable(call: AttentionCall, serve: Serve,
       (call.query, call.key, call.value, call.bias, call.mask))
   if not any(isinstance(x, jax.core.Tracer) for x in leaves):
     # No transformation applies to concrete inputs.
-    return serve(call)
+    return (value or serve)(call)
   diff = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
                for x in leaves)
   # The rules keep the call's static part only; its arrays are operands.
   static = dataclasses.replace(call, query=None, key=None, value=None,
                                bias=None, mask=None)
-  return _Derivatives(static, tree, diff, serve, xla, unavailable).top(leaves)
+  return _Derivatives(static, tree, diff, serve, value or serve, xla,
+                      unavailable).top(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,7 @@ class _Derivatives:
   tree: Any  # of (query, key, value, bias, mask)
   diff: tuple[bool, ...]  # which leaves are differentiated
   serve: Serve
+  value: Serve
   xla: XlaBackend | None
   unavailable: str
 
@@ -173,7 +177,7 @@ class _Derivatives:
 
   # ---------------------------------------------------------------- top
   def top(self, leaves: Sequence[Array]) -> tuple[Array, Array]:
-    return tuple(_call(lambda *l: tuple(self.serve(self.rebuild(l))),
+    return tuple(_call(lambda *l: tuple(self.value(self.rebuild(l))),
                        self._top_jvp, leaves))
 
   def _top_jvp(self, primals, tangents, rebind):
