@@ -3,7 +3,7 @@ H=128`` bfloat16, against the bytes of inputs, output and gradients.
 
 Usage (on the GPU, fresh process): ``PYTHONPATH=. python3 -m
 benchmarks.memory_128k [--impl mosaic_gpu] [--causal] [--config
-fuse_dq=true dq_slots=1]``.  Prints one JSON line; the target is
+fuse_dq=true dq_slots=1] [--seed N]``.  Prints one JSON line; the target is
 ``peak / (inputs + outputs + gradients) <= 1.3``.  ``--config`` sets
 ``MosaicGpuConfig`` fields of the ``mosaic_gpu`` backend.
 """
@@ -28,6 +28,8 @@ def main() -> None:
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--seed", type=int, default=None,
+                      help="of the random inputs (default: the current time)")
   parser.add_argument("--config", nargs="*", default=[],
                       help="MosaicGpuConfig fields, e.g. fuse_dq=true")
   args = parser.parse_args()
@@ -45,7 +47,8 @@ def main() -> None:
       fields[key] = (low == "true") if low in ("true", "false") else int(value)
     implementation = MosaicGpuBackend(MosaicGpuConfig(**fields))
   shape = (1, args.seq, args.heads, args.head_dim)
-  keys = jax.random.split(jax.random.key(int(time.time())), 4)
+  seed = int(time.time()) if args.seed is None else args.seed
+  keys = jax.random.split(jax.random.key(seed), 4)
   q, k, v, cot = (jax.random.normal(key, shape, jnp.bfloat16)
                   for key in keys)
   jax.block_until_ready((q, k, v, cot))

@@ -256,12 +256,13 @@ class Tuner:
   timer: TimerConfig
   tokens: int = 16384  # B * S
   width: int = 2048    # N * H
+  seed: int | None = None  # of the inputs; None: the current time
 
   def __post_init__(self):
     heads = max(1, self.width // self.head_dim)
     batch = max(1, self.tokens // self.seq)
     shape = (batch, self.seq, heads, self.head_dim)
-    seed = int(time.time())
+    seed = int(time.time()) if self.seed is None else self.seed
     keys = jax.random.split(jax.random.key(seed), 8)
     make = lambda key: jax.random.normal(key, shape, jnp.bfloat16)  # noqa
     rng = np.random.default_rng(seed)

@@ -1,10 +1,13 @@
 """Test helpers: random inputs, the reference on user-level arguments, a plain
-same-dtype implementation for error baselines, and error metrics."""
+same-dtype implementation for error baselines, and error metrics.
+
+Random inputs come from :func:`fresh_rng` (or :func:`seeded_rng` where the
+seed is also wanted), seeded from the running test's node id so that a
+failure replays: see ``tests/_seeds.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -14,6 +17,7 @@ import numpy as np
 import jflash
 from jflash import reference
 from jflash.attention import _canonicalize
+from tests._seeds import current_seed, fresh_rng, next_seed, seeded_rng
 
 MASK_ARGS = ("is_causal", "query_seq_lengths", "key_value_seq_lengths",
              "local_window_size", "segment_ids")
@@ -118,11 +122,6 @@ def lse_err(x, ref) -> float:
   return float(np.max(np.abs(x[finite] - ref[finite])))
 
 
-def fresh_rng() -> np.random.Generator:
-  """A generator with a new random seed: fresh inputs on every run."""
-  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-
-
 def random_qkv(rng: np.random.Generator, b=2, t=12, s=12, n=4, k=2, h=16,
                dtype=jnp.float32):
   """Random ``query [b, t, n, h]``, ``key`` and ``value [b, s, k, h]``."""
@@ -157,8 +156,10 @@ def grads_of(fn, case: Case, cotangent, argnums=(0, 1, 2)):
   return jax.grad(loss, argnums=argnums)(*case.arrays)
 
 
-__all__ = ["Case", "fresh_rng", "random_qkv", "rel_err", "lse_err", "random_normal", "random_segments",
-           "grads_of", "plain_attention"]
+__all__ = ["Case", "HOPPER", "current_seed", "fresh_rng", "next_seed",
+           "seeded_rng", "lowering_for_hopper", "random_qkv", "rel_err",
+           "lse_err", "random_normal", "random_segments", "grads_of",
+           "plain_attention"]
 
 
 HOPPER = "NVIDIA H100 80GB HBM3"

@@ -17,7 +17,6 @@ Accuracy rules (FlashAttention's style):
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -27,7 +26,7 @@ import pytest
 
 import jflash
 from tests._support import (Case, grads_of, lse_err, random_normal,
-                            random_segments, rel_err)
+                            random_segments, rel_err, seeded_rng)
 
 F32_TOL = 1e-5
 # Gradients get a wider float32 bound.  The backward's dS = P (dP - delta)
@@ -45,8 +44,8 @@ FEATURES = ("plain", "causal", "window", "causal_window", "lengths",
 
 
 def new_rng() -> tuple[np.random.Generator, int]:
-  seed = int.from_bytes(os.urandom(4), "little")
-  return np.random.default_rng(seed), seed
+  """The running test's next generator and its seed (tests/_seeds.py)."""
+  return seeded_rng()
 
 
 def build_case(rng: np.random.Generator, feature: str, *, dtype, batch=2,

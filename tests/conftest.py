@@ -14,6 +14,13 @@
   front, unless the caller chose: ``pytest -n 8`` runs eight processes on
   one GPU, and with JAX's default each reserves three quarters of its
   memory, leaving the others too little.
+* Replayable random inputs (``tests/_seeds.py``): each test's generators
+  (``fresh_rng()`` and friends) are seeded from its node id, or from
+  ``JFLASH_TEST_SEED`` when set (``random`` for a new seed per test), and a
+  failing test that drew inputs prints its seed and the command that runs
+  it again on the same inputs::
+
+      JFLASH_TEST_SEED=<seed> python -m pytest '<node id>'
 """
 
 import os
@@ -26,6 +33,10 @@ _FLAGS = ("--xla_force_host_platform_device_count=8",)
 _existing = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_existing] + [f for f in _FLAGS if f.split("=")[0] not in _existing]).strip()
+
+# The seed of each test: set before its setup, printed when it fails.
+from tests._seeds import (pytest_runtest_makereport,  # noqa: E402,F401
+                          pytest_runtest_protocol)
 
 
 def pytest_collection_modifyitems(config, items):

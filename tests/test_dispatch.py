@@ -8,7 +8,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import export
 
@@ -488,7 +487,7 @@ def test_table_is_what_the_builder_makes_of_the_checked_in_results():
 
 def test_builder_picks_the_faster_backend_per_pass(tmp_path):
   from benchmarks import dispatch_table
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   rows, want = [], {}
   for s in (1024, 4096):
     fwd = {"cudnn": rng.uniform(300, 600), "jflash:mosaic_gpu":

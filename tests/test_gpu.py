@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jflash
 from tests import conformance
-from tests._support import Case, grads_of, lse_err, random_normal, rel_err
+from tests._support import (Case, grads_of, lse_err, next_seed, random_normal,
+                            rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -233,7 +234,8 @@ def test_mosaic_gpu_memory_at_128k():
   """Forward+backward at B=1, T=S=131072, N=16, H=128 bfloat16 peaks at no
   more than 1.3x the bytes of inputs, output and gradients (measured in a
   fresh process, so earlier tests do not count)."""
-  command = [sys.executable, "-m", "benchmarks.memory_128k"]
+  command = [sys.executable, "-m", "benchmarks.memory_128k",
+             "--seed", str(next_seed())]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONPATH=os.pathsep.join(

@@ -1,7 +1,6 @@
 """The shared mask module against brute force written independently here."""
 
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 
 from jflash import masks, tiles
-from tests._support import random_segments
+from tests._support import random_segments, seeded_rng
 
 
 # Jitted once per shape instead of dispatching op by op.
@@ -89,8 +88,7 @@ COMBOS = [dict(causal=c, window=w, lengths=l, segments=s, dense=d)
 
 
 def _seeded():
-  seed = int.from_bytes(os.urandom(4), "little")
-  return np.random.default_rng(seed), seed
+  return seeded_rng()
 
 
 @pytest.mark.parametrize("combo", COMBOS,

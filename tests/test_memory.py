@@ -1,8 +1,6 @@
 """Linear memory: forward+backward at T = S = 16384 runs on the CPU with a
 small fraction of the memory that materialized logits would take."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 import jflash
 from jflash import reference
 from jflash.masks import AttentionMask
-from tests._support import rel_err
+from tests._support import fresh_rng, rel_err
 from tests.conftest import OPTIMIZED
 
 B, T, N, H = 1, 16384, 8, 64
@@ -31,7 +29,7 @@ def test_long_sequence_forward_backward_is_linear_in_memory():
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < 0.05 * LOGITS_BYTES, f"temporaries {temp / 1e6:.0f} MB"
 
-  rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+  rng = fresh_rng()
   q, k, v, cot = (jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
                   for _ in range(4))
   out, (dq, dk, dv) = compiled(q, k, v, cot)

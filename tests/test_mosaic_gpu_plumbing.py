@@ -7,7 +7,6 @@ included) for each head dim.  The kernels themselves run in
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +19,9 @@ from jflash.backends import mosaic_gpu
 from jflash.backends.mosaic_gpu import MosaicGpuConfig
 from jflash.backends.mosaic_gpu.common import LogitTransform, MaskSpec
 from jflash.backends.mosaic_gpu import common, schedule
-from tests._support import lowering_for_hopper, random_segments
+from tests._support import fresh_rng, lowering_for_hopper, random_segments
 
-
-def _rng():
-  return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+_rng = fresh_rng
 
 
 def _forward_and_backward(mask, plan):

@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 
+from tests._seeds import next_seed
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -24,7 +26,7 @@ def _free_port() -> int:
 
 def test_two_processes_match_the_reference():
   port = _free_port()
-  seed = int.from_bytes(os.urandom(4), "little")
+  seed = next_seed()
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   workers = [subprocess.Popen(

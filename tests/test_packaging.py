@@ -19,12 +19,14 @@ import zipfile
 
 import pytest
 
+from tests._seeds import next_seed
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.packaging
 
 # Runs in the fresh environment: the installed jflash against an exact
-# float64 softmax attention in NumPy, on fresh random inputs.
+# float64 softmax attention in NumPy, on random inputs from the seed given.
 _SMOKE = """
 import sys
 import numpy as np
@@ -34,7 +36,7 @@ import jflash.flax
 
 prefix = sys.argv[1]
 assert jflash.__file__.startswith(prefix), (jflash.__file__, prefix)
-rng = np.random.default_rng()
+rng = np.random.default_rng(int(sys.argv[2]))
 B, T, N, H = 2, int(rng.integers(5, 40)), 2, 8
 q, k, v = (rng.standard_normal((B, T, N, H)).astype(np.float32)
            for _ in range(3))
@@ -114,6 +116,6 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path):
   (pathlib.Path(purelib) / "test_environment.pth").write_text(
       "\n".join(site.getsitepackages()) + "\n")
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-  done = _run([str(python), "-I", "-c", _SMOKE, purelib], cwd=tmp_path,
-              env=env)
+  done = _run([str(python), "-I", "-c", _SMOKE, purelib, str(next_seed())],
+              cwd=tmp_path, env=env)
   assert purelib in done.stdout

@@ -18,7 +18,7 @@ from benchmarks.cells import (FULL, TINY, Cell, count_visible_bruteforce,
 from benchmarks import timing
 from benchmarks.timing import TimerConfig
 from jflash.masks import AttentionMask
-from tests._support import fresh_rng
+from tests._support import fresh_rng, next_seed
 
 # The repository root (this file is tests/tools/test_benchmarks.py).
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -323,7 +323,7 @@ def test_tuner_measures_candidate_against_incumbent(monkeypatch):
   from jflash.backends.mosaic_gpu import tuned_config
   monkeypatch.setattr(tune_mosaic_gpu, "make_backend", lambda config: "xla")
   tuner = tune_mosaic_gpu.Tuner(64, 32, ("dense", "causal"), FAST,
-                                tokens=64, width=128)
+                                tokens=64, width=128, seed=next_seed())
   incumbent = tuned_config(64, 32)
   candidate = dataclasses.replace(incumbent, block_kv_dq=64)
   for pass_name in ("fwd", "fwdbwd"):
@@ -461,7 +461,7 @@ def test_tuner_feature_mask_calls_carry_the_feature(mask, monkeypatch):
   monkeypatch.setattr(tuner, "make_backend", lambda config: "xla")
   t = tuner.Tuner(64, 256, (mask,), TimerConfig(calls=1, repeats=1,
                                                  warmup=0),
-                  tokens=512, width=128)
+                  tokens=512, width=128, seed=next_seed())
   q, k, v, cot, seg = t.inputs[0]
   assert len(np.unique(np.asarray(seg[0]))) == tuner.SEGMENTS
   got = t._function(MosaicGpuConfig(), mask, "fwdbwd")(*t.inputs[0])

@@ -9,6 +9,8 @@ import re
 import numpy as np
 import pytest
 
+from tests._seeds import fresh_rng
+
 _PATH = pathlib.Path(__file__).parents[2] / "tools" / "timing_gap.py"
 _SPEC = importlib.util.spec_from_file_location("timing_gap", _PATH)
 timing_gap = importlib.util.module_from_spec(_SPEC)
@@ -49,7 +51,7 @@ class _FakeClocks:
 
 
 def test_enqueue_groups_time_each_call_and_rotate_inputs(monkeypatch):
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   seconds = float(rng.uniform(0.002, 0.004))
   clock = _FakeTime(float(rng.uniform(10, 1000)))
   monkeypatch.setattr(timing_gap, "time", clock)
@@ -71,7 +73,7 @@ def test_enqueue_groups_time_each_call_and_rotate_inputs(monkeypatch):
 
 
 def test_sustained_reports_its_second_half_and_rates_per_clock(monkeypatch):
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   seconds = float(rng.uniform(0.001, 0.002))
   clock = _FakeTime(float(rng.uniform(10, 1000)))
   monkeypatch.setattr(timing_gap, "time", clock)
