@@ -1,0 +1,1 @@
+"""Pieces shared by jflash's public modules."""
