@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,11 @@ from jax import lax
 
 from jflash.core import dispatch, registry
 from jflash.core.call import AttentionCall
+from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
+                                canonical_scale, canonical_soft_cap,
+                                canonical_window, check_floating,
+                                compute_dtype, describe, fits_int32,
+                                host_fits_int32, integers, is_traced)
 from jflash.core.platform import PLATFORMS, host_target, lowering_for
 from jflash.masks import AttentionMask
 from jflash.parallel import ContextParallel
@@ -22,66 +26,11 @@ from jflash.parallel import ContextParallel
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-_INT32 = np.iinfo(np.int32)
-
-
-def _describe(x: Any) -> str:
-  shape = getattr(x, "shape", None)
-  dtype = getattr(x, "dtype", None)
-  if shape is None:
-    return f"{type(x).__name__} {x!r}"
-  return f"shape {tuple(shape)} dtype {dtype}"
-
-
-def _is_traced(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
-
-
-def _as_array(x: Any, name: str) -> Array:
-  try:
-    return jnp.asarray(x)
-  except TypeError as err:
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}") from err
-
-
-def _as_host_or_device(x: Any, name: str) -> Array | np.ndarray:
-  """A JAX array stays one (it may be traced); anything else becomes a NumPy
-  array, so that 64-bit integers keep their values whatever
-  ``jax_enable_x64`` says."""
-  if isinstance(x, jax.Array):
-    return x
-  try:
-    return np.asarray(x)
-  except (TypeError, ValueError) as err:
-    raise ValueError(f"{name} must be an array, got {type(x).__name__}") from err
-
-
-def _check_floating(x: Array, name: str) -> None:
-  if x.dtype not in _FLOAT_DTYPES:
-    raise ValueError(f"{name} must have a floating dtype (float16, bfloat16, "
-                     f"float32 or float64), got {_describe(x)}")
-
-
-def _check_integer(x: Array | np.ndarray, name: str) -> None:
-  if not np.issubdtype(x.dtype, np.integer):
-    raise ValueError(f"{name} must have an integer dtype, got {_describe(x)}")
-
-
-def _fits_int32(dtype) -> bool:
-  """Every value of ``dtype`` is an int32 value."""
-  return np.can_cast(dtype, np.int32, casting="safe")
-
-
-def _host_fits_int32(x: np.ndarray) -> bool:
-  return x.size == 0 or (int(x.min()) >= _INT32.min
-                         and int(x.max()) <= _INT32.max)
-
 
 def _to_4d(x: Array, name: str) -> Array:
   if x.ndim > 4:
     raise ValueError(f"{name} must have at most 4 dims (broadcastable to "
-                     f"[B, N, T, S]), got {_describe(x)}")
+                     f"[B, N, T, S]), got {describe(x)}")
   return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
@@ -93,95 +42,7 @@ def _check_broadcastable(x: Array, given: Array, name: str,
     if size not in (1, want):
       raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = "
                        f"{list(target)} (missing leading axes count as size "
-                       f"1), got {_describe(given)}")
-
-
-def _concrete_scalar(x: Any, name: str, expected: str) -> Any:
-  """A Python or NumPy scalar, or a concrete 0-d array, as a NumPy scalar."""
-  if _is_traced(x):
-    raise ValueError(f"{name} must be {expected} known at trace time (it "
-                     f"selects the computation), got a traced value "
-                     f"{_describe(x)}")
-  if isinstance(x, (bool, int, float, np.generic)):
-    return np.asarray(x)[()]
-  if isinstance(x, (np.ndarray, jax.Array)) and x.shape == ():
-    return np.asarray(x)[()]
-  raise ValueError(f"{name} must be {expected}, got {_describe(x)}")
-
-
-def _bool_flag(x: Any, name: str) -> bool:
-  """A concrete bool-like value: a bool, 0 or 1, or a 0-d bool or integer
-  array holding one of those."""
-  value = _concrete_scalar(x, name, "a bool")
-  if (isinstance(value, (np.bool_, np.integer))
-      and int(value) in (0, 1)):
-    return bool(value)
-  raise ValueError(f"{name} must be a bool (or 0 or 1), got {x!r}")
-
-
-def _window_side(x: Any) -> int:
-  if isinstance(x, int) and not isinstance(x, bool):
-    return x  # any size
-  value = _concrete_scalar(x, "local_window_size", "an int or a pair of ints")
-  if not isinstance(value, np.integer):
-    raise ValueError("local_window_size must be an int or a pair of ints "
-                     f"(left, right), got {x!r}")
-  return int(value)
-
-
-def _canonical_window(local_window_size: Any) -> tuple[int, int] | None:
-  """``(left, right)`` as Python ints of any size (:class:`AttentionMask`
-  stores a side wider than the sequences as the sequence length)."""
-  if local_window_size is None:
-    return None
-  if _is_traced(local_window_size):
-    raise ValueError("local_window_size must be known at trace time (it "
-                     "shapes the computation), got a traced value "
-                     f"{_describe(local_window_size)}")
-  if isinstance(local_window_size, (bool, np.bool_)):
-    raise ValueError("local_window_size must be an int or a pair of ints "
-                     f"(left, right), got {local_window_size!r}")
-  sides = local_window_size
-  if isinstance(sides, (np.ndarray, jax.Array)):
-    if sides.shape == ():
-      sides = (sides, sides)
-    elif sides.shape == (2,):
-      sides = tuple(np.asarray(sides))
-    else:
-      raise ValueError("local_window_size must be an int or a pair of ints "
-                       f"(left, right), got {_describe(local_window_size)}")
-  elif isinstance(sides, (tuple, list)):
-    if len(sides) != 2:
-      raise ValueError("local_window_size must be an int or a pair of ints "
-                       f"(left, right), got {local_window_size!r}")
-  else:
-    sides = (sides, sides)
-  if any(isinstance(w, (bool, np.bool_)) for w in sides):
-    raise ValueError("local_window_size must be an int or a pair of ints "
-                     f"(left, right), got {local_window_size!r}")
-  left, right = (_window_side(w) for w in sides)
-  if min(left, right) < 0:
-    raise ValueError("local_window_size must be non-negative, got "
-                     f"{local_window_size!r}")
-  return left, right
-
-
-def _canonical_lengths(x: Any, name: str, batch: int,
-                       bound: int) -> Array | None:
-  """int32 ``[B]``.  Lengths of a wider type are clamped to ``[0, bound]``
-  (the sequence length) first: the same rule, with values int32 holds."""
-  if x is None:
-    return None
-  x = _as_host_or_device(x, name)
-  _check_integer(x, name)
-  if x.shape != (batch,):
-    raise ValueError(f"{name} must have shape [B] = ({batch},), got "
-                     f"{_describe(x)}")
-  if _fits_int32(x.dtype):
-    return jnp.asarray(x).astype(jnp.int32)
-  if isinstance(x, np.ndarray):
-    return jnp.asarray(np.clip(x, 0, bound).astype(np.int32))
-  return jnp.clip(x, 0, bound).astype(jnp.int32)
+                       f"1), got {describe(given)}")
 
 
 def _dense_ranks(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
@@ -238,7 +99,7 @@ def _int32_segment_ids(q_ids, kv_ids, batch: int) -> tuple[Array, Array]:
   """
   host = [isinstance(x, np.ndarray) for x in (q_ids, kv_ids)]
   if all(host):
-    if _host_fits_int32(q_ids) and _host_fits_int32(kv_ids):
+    if host_fits_int32(q_ids) and host_fits_int32(kv_ids):
       return (jnp.asarray(q_ids.astype(np.int32)),
               jnp.asarray(kv_ids.astype(np.int32)))
     q_ids, kv_ids = _host_ranks(q_ids, kv_ids)
@@ -246,21 +107,21 @@ def _int32_segment_ids(q_ids, kv_ids, batch: int) -> tuple[Array, Array]:
   if any(host):
     device = kv_ids if host[0] else q_ids
     given = q_ids if host[0] else kv_ids
-    if _host_fits_int32(given):
+    if host_fits_int32(given):
       given = jnp.asarray(given.astype(np.int32))
     elif jax.config.jax_enable_x64:
       given = jnp.asarray(given)
-    elif not _is_traced(device):
+    elif not is_traced(device):
       return _int32_segment_ids(*(np.asarray(x) if isinstance(x, jax.Array)
                                   else x for x in (q_ids, kv_ids)), batch)
     else:
       raise ValueError(
           "segment_ids: NumPy ids beyond the int32 range cannot be compared "
           "exactly with traced ids without jax_enable_x64; pass both as "
-          f"NumPy arrays or both as JAX arrays (got {_describe(q_ids)} and "
-          f"{_describe(kv_ids)})")
+          f"NumPy arrays or both as JAX arrays (got {describe(q_ids)} and "
+          f"{describe(kv_ids)})")
     q_ids, kv_ids = (given, device) if host[0] else (device, given)
-  if _fits_int32(q_ids.dtype) and _fits_int32(kv_ids.dtype):
+  if fits_int32(q_ids.dtype) and fits_int32(kv_ids.dtype):
     return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
   if q_ids.dtype == kv_ids.dtype == jnp.uint32:
     # A bijection of uint32 onto int32 keeps every equality.
@@ -307,8 +168,7 @@ def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
   for ids, name, length in ((q_ids, "q_segment_ids", q_len),
                             (kv_ids, "kv_segment_ids", kv_len)):
     label = f"segment_ids ({name})"
-    ids = _as_host_or_device(ids, label)
-    _check_integer(ids, label)
+    ids = integers(ids, label)
     want = (length,) if unbatched else (batch, length)
     if unbatched and ids.shape == (1, length):
       ids = ids[0]
@@ -316,7 +176,7 @@ def _canonical_segment_ids(segment_ids: Any, batch: int, q_len: int,
       layout = "[T]" if name.startswith("q") else "[S]"
       layout = layout if unbatched else layout.replace("[", "[B, ")
       raise ValueError(f"{label} must have shape {layout} = {want}, got "
-                       f"{_describe(ids)}")
+                       f"{describe(ids)}")
     result.append(ids.reshape(batch, length))
   return _int32_segment_ids(*result, batch)
 
@@ -329,7 +189,7 @@ def _check_shard_segment_ids(segment_ids: Any) -> None:
     dtype = getattr(ids, "dtype", None)
     if dtype is None:
       dtype = np.asarray(ids).dtype
-    if np.issubdtype(dtype, np.integer) and not _fits_int32(dtype):
+    if np.issubdtype(dtype, np.integer) and not fits_int32(dtype):
       raise ValueError(
           "segment_ids: with context_parallel.axis_name each call holds one "
           "shard of the sequence, and ids wider than int32 cannot be "
@@ -352,25 +212,6 @@ def _shards(parallel: ContextParallel | None) -> int:
   return parallel.axis_size()
 
 
-def _concrete_float(x: Any, name: str, dtype) -> float:
-  """A Python number for a constant of the computation in ``dtype``: finite
-  there, with room for the constants backends derive from it (such as
-  ``scale * log2(e)``)."""
-  try:
-    value = float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError) as err:
-    raise ValueError(f"{name} must be a Python number (it is part of the "
-                     f"compiled kernel), got {_describe(x)}") from err
-  if not math.isfinite(value):
-    raise ValueError(f"{name} must be finite, got {value}")
-  limit = float(np.finfo(dtype).max) / 2
-  if abs(value) > limit:
-    raise ValueError(f"{name} must be at most {limit:.3g} in magnitude (half "
-                     f"the largest {np.dtype(dtype).name}, the dtype the "
-                     f"attention computes in), got {value!r}")
-  return value
-
-
 def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                   query_seq_lengths, key_value_seq_lengths, local_window_size,
                   segment_ids, logits_soft_cap,
@@ -380,18 +221,18 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
   """Validates every argument; returns the canonical call and whether the
   inputs were unbatched ``[T, N, H]``.  ``shards > 1``: the arrays are one
   shard of sequences split over that many devices (lengths are global)."""
-  query = _as_array(query, "query")
-  key = _as_array(key, "key")
-  value = _as_array(value, "value")
+  query = as_array(query, "query")
+  key = as_array(key, "key")
+  value = as_array(value, "value")
   for x, name in ((query, "query"), (key, "key"), (value, "value")):
-    _check_floating(x, name)
+    check_floating(x, name)
     if x.ndim not in (3, 4):
       raise ValueError(f"{name} must be [B, T, N, H] or [T, N, H] (key and "
-                       f"value [B, S, K, H] or [S, K, H]), got {_describe(x)}")
+                       f"value [B, S, K, H] or [S, K, H]), got {describe(x)}")
   if not query.ndim == key.ndim == value.ndim:
     raise ValueError("query, key and value must have the same rank, got "
-                     f"query {_describe(query)}, key {_describe(key)}, value "
-                     f"{_describe(value)}")
+                     f"query {describe(query)}, key {describe(key)}, value "
+                     f"{describe(value)}")
   if not query.dtype == key.dtype == value.dtype:
     raise ValueError("query, key and value must have the same dtype, got "
                      f"{query.dtype}, {key.dtype}, {value.dtype}")
@@ -401,14 +242,14 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
   batch, q_len, num_heads, head_dim = query.shape
   if key.shape != value.shape:
     raise ValueError("key and value must have the same shape [B, S, K, H], "
-                     f"got key {_describe(key)} and value {_describe(value)}")
+                     f"got key {describe(key)} and value {describe(value)}")
   if key.shape[0] != batch:
     raise ValueError(f"key batch {key.shape[0]} must match query batch "
-                     f"{batch} (query {_describe(query)}, key {_describe(key)})")
+                     f"{batch} (query {describe(query)}, key {describe(key)})")
   if key.shape[3] != head_dim:
     raise ValueError(f"query head dim {head_dim} must match key head dim "
-                     f"{key.shape[3]} (query {_describe(query)}, key "
-                     f"{_describe(key)})")
+                     f"{key.shape[3]} (query {describe(query)}, key "
+                     f"{describe(key)})")
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   if (num_kv_heads == 0 and num_heads) or (num_kv_heads
                                             and num_heads % num_kv_heads):
@@ -417,55 +258,39 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
   target = (batch, num_heads, q_len, kv_len)
 
   if bias is not None:
-    given = _as_array(bias, "bias")
+    given = as_array(bias, "bias")
     bias = _to_4d(given, "bias")
-    _check_floating(bias, "bias")
+    check_floating(bias, "bias")
     _check_broadcastable(bias, given, "bias", target)
   if mask is not None:
-    given = _as_array(mask, "mask")
+    given = as_array(mask, "mask")
     mask = _to_4d(given, "mask")
     if mask.dtype != jnp.bool_:
       raise ValueError("mask must be boolean (True = attend); pass an additive "
                        f"mask as bias, or use mask.astype(bool); got "
-                       f"{_describe(given)}")
+                       f"{describe(given)}")
     _check_broadcastable(mask, given, "mask", target)
-  is_causal = _bool_flag(is_causal, "is_causal")
+  is_causal = bool_flag(is_causal, "is_causal")
   # The dtype the softmax runs in: scale and cap must be finite there.
-  compute_dtype = np.dtype(jnp.promote_types(query.dtype, jnp.float32))
-  if scale is not None:
-    scale_value = _concrete_float(scale, "scale", compute_dtype)
-  else:
-    # With H == 0 every logit is 0 (plus bias) whatever the scale.
-    scale_value = 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-  cap = None
-  if logits_soft_cap is not None:
-    cap = _concrete_float(logits_soft_cap, "logits_soft_cap", compute_dtype)
-    smallest = float(np.finfo(compute_dtype).tiny)
-    if cap < smallest:
-      raise ValueError(f"logits_soft_cap must be positive and at least "
-                       f"{smallest:.3g} (the smallest normal "
-                       f"{compute_dtype.name}), got {cap!r}")
-    if abs(scale_value) / cap > float(np.finfo(compute_dtype).max) / 2:
-      # Backends fold scale / cap into one constant.
-      raise ValueError(f"scale / logits_soft_cap = {scale_value!r} / {cap!r} "
-                       f"overflows {compute_dtype.name}; raise "
-                       "logits_soft_cap or lower scale")
+  dtype = compute_dtype(query.dtype)
+  scale_value = canonical_scale(scale, head_dim, dtype)
+  cap = canonical_soft_cap(logits_soft_cap, scale_value, dtype)
   if shards > 1:
     _check_shard_segment_ids(segment_ids)
   q_ids, kv_ids = _canonical_segment_ids(segment_ids, batch, q_len, kv_len,
                                          unbatched)
   attention_mask = AttentionMask(
       batch=batch, q_len=q_len, kv_len=kv_len, is_causal=is_causal,
-      window=_canonical_window(local_window_size),
-      q_lengths=_canonical_lengths(query_seq_lengths, "query_seq_lengths",
-                                   batch, q_len * shards),
-      kv_lengths=_canonical_lengths(key_value_seq_lengths,
-                                    "key_value_seq_lengths", batch,
-                                    kv_len * shards),
+      window=canonical_window(local_window_size),
+      q_lengths=canonical_lengths(query_seq_lengths, "query_seq_lengths",
+                                  batch, q_len * shards),
+      kv_lengths=canonical_lengths(key_value_seq_lengths,
+                                   "key_value_seq_lengths", batch,
+                                   kv_len * shards),
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask,
       has_offsets=shards > 1)
-  return_residual = _bool_flag(return_residual, "return_residual")
-  interpret = _bool_flag(interpret, "interpret")
+  return_residual = bool_flag(return_residual, "return_residual")
+  interpret = bool_flag(interpret, "interpret")
   call = AttentionCall(query, key, value, bias, attention_mask,
                        scale=scale_value, logits_soft_cap=cap,
                        returns_residual=bool(return_residual),

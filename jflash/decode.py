@@ -21,16 +21,18 @@ The visibility rule is :func:`jflash.masks.decode_row_bounds`.  See
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jflash.core import dispatch
 from jflash.core.call import DecodeCall
+from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
+                                canonical_scale, canonical_soft_cap,
+                                canonical_window, check_floating,
+                                compute_dtype, describe, integers, to_int32)
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -42,83 +44,35 @@ per key/value head) in one tile and read the cache once for all of them;
 past 16 tokens a call is a prefill chunk, which
 :func:`jflash.dot_product_attention`'s tiled kernels serve better."""
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 # --------------------------------------------------------------- validation
-def _describe(x: Any) -> str:
-  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-  if shape is None:
-    return f"{type(x).__name__} {x!r}"
-  return f"shape {tuple(shape)} dtype {dtype}"
-
-
-def _array(x: Any, name: str) -> Array:
-  try:
-    return jnp.asarray(x)
-  except TypeError as err:
-    raise ValueError(f"{name} must be an array, got {_describe(x)}") from err
-
-
 def _floating(x: Any, name: str, layout: str | None = None) -> Array:
   """A floating array; 4-D (``layout``) when a layout is given."""
-  x = _array(x, name)
-  if x.dtype not in _FLOAT_DTYPES:
-    raise ValueError(f"{name} must have a floating dtype (float16, bfloat16, "
-                     f"float32 or float64), got {_describe(x)}")
+  x = as_array(x, name)
+  check_floating(x, name)
   if layout is not None and x.ndim != 4:
-    raise ValueError(f"{name} must be {layout}, got {_describe(x)}")
+    raise ValueError(f"{name} must be {layout}, got {describe(x)}")
   return x
 
 
-def _int32(x: Any, name: str, shape: tuple[int, ...], layout: str,
-           upper: int) -> Array:
-  """An integer array of ``shape`` as int32; values of a wider dtype are
-  clipped to ``[0, upper]`` first (every meaningful value lies there)."""
-  if not isinstance(x, jax.Array):
-    try:
-      x = np.asarray(x)
-    except (TypeError, ValueError) as err:
-      raise ValueError(f"{name} must be an integer array, got "
-                       f"{_describe(x)}") from err
-  if not np.issubdtype(x.dtype, np.integer):
-    raise ValueError(f"{name} must have an integer dtype, got "
-                     f"{_describe(x)}")
-  if tuple(x.shape) != shape:
-    raise ValueError(f"{name} must have shape {layout} = {shape}, got "
-                     f"{_describe(x)}")
-  if np.can_cast(x.dtype, np.int32, casting="safe"):
-    return jnp.asarray(x).astype(jnp.int32)
-  if isinstance(x, np.ndarray):  # on the host: jnp.asarray may narrow first
-    return jnp.asarray(np.clip(x, -1, upper).astype(np.int32))
-  return jnp.clip(x, -1, upper).astype(jnp.int32)
+def _lengths(lengths: Any, batch: int, capacity: int) -> Array:
+  """int32 ``[B]`` clipped to ``[0, capacity]``: the lengths the writes and
+  the attention use alike, whatever the dtype given."""
+  lengths = canonical_lengths(lengths, "lengths", batch, capacity)
+  return jnp.clip(lengths, 0, capacity)
 
 
-def _float_constant(x: Any, name: str, dtype) -> float:
-  try:
-    value = float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError) as err:
-    raise ValueError(f"{name} must be a Python number (it is part of the "
-                     f"compiled computation), got {_describe(x)}") from err
-  limit = float(np.finfo(dtype).max) / 2
-  if not math.isfinite(value) or abs(value) > limit:
-    raise ValueError(f"{name} must be finite and at most {limit:.3g} in "
-                     f"magnitude, got {value!r}")
-  return value
-
-
-def _window(local_window_size: Any) -> tuple[int, int] | None:
-  if local_window_size is None:
-    return None
-  sides = local_window_size
-  if not isinstance(sides, (tuple, list)):
-    sides = (sides, sides)
-  ok = len(sides) == 2 and all(
-      isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
-      and w >= 0 for w in sides)
-  if not ok:
-    raise ValueError("local_window_size must be a non-negative int or a pair "
-                     f"of them (left, right), got {local_window_size!r}")
-  return int(sides[0]), int(sides[1])
+def _block_table(block_table: Any, batch: int | None,
+                 num_pages: int) -> Array:
+  """int32 ``[B, max_pages]`` (any ``B`` when ``batch`` is None).  Entries
+  outside ``[0, P)`` of a wider dtype become -1 or ``P``: outside it
+  still."""
+  table = integers(block_table, "block_table")
+  if table.ndim != 2 or batch not in (None, table.shape[0]):
+    expected = "[B, max_pages]" + ("" if batch is None else f" with B={batch}")
+    raise ValueError(f"block_table must have shape {expected}, got "
+                     f"{describe(table)}")
+  return to_int32(table, -1, num_pages)
 
 
 def _check_cache(query: Array, key: Array, value: Array,
@@ -127,20 +81,20 @@ def _check_cache(query: Array, key: Array, value: Array,
             else "[B, S, K, H]")
   for x, name in ((key, "key_cache"), (value, "value_cache")):
     if x.ndim != 4:
-      raise ValueError(f"{name} must be {layout}, got {_describe(x)}")
+      raise ValueError(f"{name} must be {layout}, got {describe(x)}")
     if x.dtype != query.dtype:
       raise ValueError(f"{name} must have the query's dtype {query.dtype}, "
-                       f"got {_describe(x)}")
+                       f"got {describe(x)}")
   if key.shape != value.shape:
     raise ValueError("key_cache and value_cache must have the same shape "
-                     f"{layout}, got {_describe(key)} and {_describe(value)}")
+                     f"{layout}, got {describe(key)} and {describe(value)}")
   batch, _, num_heads, head_dim = query.shape
   if not paged and key.shape[0] != batch:
     raise ValueError(f"key_cache batch {key.shape[0]} must match the query "
-                     f"batch {batch} (query {_describe(query)})")
+                     f"batch {batch} (query {describe(query)})")
   if paged and 0 in key.shape[:2]:
     raise ValueError("key_cache must hold at least one page of at least one "
-                     f"slot [P, page_size, K, H], got {_describe(key)}")
+                     f"slot [P, page_size, K, H], got {describe(key)}")
   if key.shape[3] != head_dim:
     raise ValueError(f"key_cache head dim {key.shape[3]} must match the "
                      f"query head dim {head_dim}")
@@ -157,55 +111,30 @@ def _canonical_call(query, key_cache, value_cache, lengths, block_table,
   batch, num_new, _, head_dim = query.shape
   if not 1 <= num_new <= MAX_NEW_TOKENS:
     raise ValueError(f"query must hold 1 to {MAX_NEW_TOKENS} new tokens per "
-                     f"sequence (T), got T={num_new} ({_describe(query)}); "
+                     f"sequence (T), got T={num_new} ({describe(query)}); "
                      "longer blocks are prefill: use "
                      "jflash.dot_product_attention")
   if head_dim == 0:
     raise ValueError(f"query head dim H must be positive, got "
-                     f"{_describe(query)}")
+                     f"{describe(query)}")
   key_cache = _floating(key_cache, "key_cache")
   value_cache = _floating(value_cache, "value_cache")
   paged = block_table is not None
   _check_cache(query, key_cache, value_cache, paged)
   if paged:
     num_pages = key_cache.shape[0]
-    table = _array_like_table(block_table, batch, num_pages)
+    table = _block_table(block_table, batch, num_pages)
     capacity = table.shape[1] * key_cache.shape[1]
   else:
     table, capacity = None, key_cache.shape[1]
-  lengths = _int32(lengths, "lengths", (batch,), "[B]", capacity)
-  # Lengths past the capacity are clipped so that reads stay in the cache.
-  lengths = jnp.clip(lengths, 0, capacity)
-  compute = np.dtype(jnp.promote_types(query.dtype, jnp.float32))
-  scale_value = (1.0 / math.sqrt(head_dim) if scale is None
-                 else _float_constant(scale, "scale", compute))
-  cap = None
-  if logits_soft_cap is not None:
-    cap = _float_constant(logits_soft_cap, "logits_soft_cap", compute)
-    if cap < float(np.finfo(compute).tiny):
-      raise ValueError("logits_soft_cap must be positive, got "
-                       f"{logits_soft_cap!r}")
+  lengths = _lengths(lengths, batch, capacity)
+  dtype = compute_dtype(query.dtype)
+  scale_value = canonical_scale(scale, head_dim, dtype)
   return DecodeCall(query, key_cache, value_cache, lengths, table,
-                    scale=scale_value, logits_soft_cap=cap,
-                    window=_window(local_window_size))
-
-
-def _array_like_table(block_table: Any, batch: int | None,
-                      num_pages: int) -> Array:
-  """int32 ``[B, max_pages]`` (any ``B`` when ``batch`` is None)."""
-  table = block_table
-  if not isinstance(table, jax.Array):
-    try:
-      table = np.asarray(table)
-    except (TypeError, ValueError) as err:
-      raise ValueError("block_table must be an integer array [B, max_pages], "
-                       f"got {_describe(block_table)}") from err
-  if table.ndim != 2 or batch not in (None, table.shape[0]):
-    expected = "[B, max_pages]" + ("" if batch is None else f" with B={batch}")
-    raise ValueError(f"block_table must have shape {expected}, got "
-                     f"{_describe(table)}")
-  return _int32(table, "block_table", tuple(table.shape), "[B, max_pages]",
-                num_pages)
+                    scale=scale_value,
+                    logits_soft_cap=canonical_soft_cap(logits_soft_cap,
+                                                       scale_value, dtype),
+                    window=canonical_window(local_window_size))
 
 
 # ------------------------------------------------------------------- public
@@ -243,6 +172,9 @@ def decode_attention(
       Slots at or past ``lengths[b]`` are never seen and may hold anything.
       Values are clipped to ``[0, S]``; a token whose position is negative
       (``lengths[b] < T``, e.g. 0) sees nothing: zeros, logsumexp ``-inf``.
+      Integer arguments may have any integer dtype (NumPy or JAX arrays,
+      with or without ``jax_enable_x64``): values past the int32 range
+      mean what the nearest int32 value means.
     block_table: int ``[B, max_pages]`` or None: slot ``s`` of sequence
       ``b`` lives in row ``s % page_size`` of page ``block_table[b, s //
       page_size]``.  Entries of pages that hold no slot a new token sees
@@ -285,11 +217,8 @@ def decode_attention(
   call = _canonical_call(query, key_cache, value_cache, lengths, block_table,
                          scale, local_window_size, logits_soft_cap)
   request = dispatch.parse_request(implementation, decode=True)
-  for flag, name in ((return_residual, "return_residual"),
-                     (interpret, "interpret")):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise ValueError(f"{name} must be a bool, got {flag!r}")
-  call = dataclasses.replace(call, interpret=bool(interpret))
+  return_residual = bool_flag(return_residual, "return_residual")
+  call = dataclasses.replace(call, interpret=bool_flag(interpret, "interpret"))
   batch, num_new, num_heads, _ = call.query.shape
   if batch == 0 or num_heads == 0:
     out = jnp.zeros(call.query.shape, call.dtype)
@@ -306,17 +235,17 @@ def _new_tokens(new_key: Any, new_value: Any, cache: Array,
   new_value = _floating(new_value, "new_value", "[B, T, K, H]")
   if new_key.shape != new_value.shape:
     raise ValueError("new_key and new_value must have the same shape [B, T, "
-                     f"K, H], got {_describe(new_key)} and "
-                     f"{_describe(new_value)}")
+                     f"K, H], got {describe(new_key)} and "
+                     f"{describe(new_value)}")
   want = (batch, new_key.shape[1]) + tuple(cache.shape[2:])
   if new_key.shape != want:
     raise ValueError(f"new_key must have shape [B, T, K, H] = [{batch}, T, "
                      f"{cache.shape[2]}, {cache.shape[3]}] (the cache's heads "
-                     f"and head dim), got {_describe(new_key)}")
+                     f"and head dim), got {describe(new_key)}")
   for x, name in ((new_key, "new_key"), (new_value, "new_value")):
     if x.dtype != cache.dtype:
       raise ValueError(f"{name} must have the cache's dtype {cache.dtype}, "
-                       f"got {_describe(x)}")
+                       f"got {describe(x)}")
   return new_key, new_value
 
 
@@ -326,8 +255,8 @@ def _caches(key: Any, value: Any, layout: str) -> tuple[Array, Array]:
                     layout)
   if key.shape != value.shape or key.dtype != value.dtype:
     raise ValueError(f"the key and value caches must have the same shape "
-                     f"{layout} and dtype, got {_describe(key)} and "
-                     f"{_describe(value)}")
+                     f"{layout} and dtype, got {describe(key)} and "
+                     f"{describe(value)}")
   return key, value
 
 
@@ -341,15 +270,18 @@ def append_to_pages(key_pages: ArrayLike, value_pages: ArrayLike,
     key_pages, value_pages: ``[P, page_size, K, H]``.
     block_table: int ``[B, max_pages]`` (see :func:`decode_attention`).
     lengths: int ``[B]``: each sequence's length *after* the append (the
-      array :func:`decode_attention` then takes): new token ``t`` goes to
-      position ``lengths[b] - T + t``.
+      array :func:`decode_attention` then takes), clipped to ``[0,
+      max_pages * page_size]`` as it clips them: new token ``t`` goes to
+      position ``lengths[b] - T + t``.  A length past the capacity thus
+      puts the new tokens in the last ``T`` slots, where
+      :func:`decode_attention` reads them.
     new_key, new_value: ``[B, T, K, H]``, the pages' dtype.
 
   Returns:
     The updated ``(key_pages, value_pages)``.  Pure: under ``jax.jit`` with
     the pages donated (``donate_argnums``) XLA updates them in place.
-    Tokens whose position is negative or past ``max_pages * page_size``,
-    or whose table entry is outside ``[0, P)``, are not written.  Two
+    Tokens whose position is negative (``lengths[b] < T``), or whose
+    table entry is outside ``[0, P)``, are not written.  Two
     sequences whose tables share a page must not write the same slot (which
     write lands is unspecified).
   """
@@ -357,15 +289,15 @@ def append_to_pages(key_pages: ArrayLike, value_pages: ArrayLike,
                                    "[P, page_size, K, H]")
   if 0 in key_pages.shape[:2]:
     raise ValueError("key_pages must hold at least one page of at least one "
-                     f"slot [P, page_size, K, H], got {_describe(key_pages)}")
+                     f"slot [P, page_size, K, H], got {describe(key_pages)}")
   num_pages, page_size = key_pages.shape[:2]
-  table = _array_like_table(block_table, None, num_pages)
+  table = _block_table(block_table, None, num_pages)
   batch, capacity = table.shape[0], table.shape[1] * page_size
-  lengths = _int32(lengths, "lengths", (batch,), "[B]", capacity)
+  lengths = _lengths(lengths, batch, capacity)
   new_key, new_value = _new_tokens(new_key, new_value, key_pages, batch)
   num_new = new_key.shape[1]
   position = lengths[:, None] - num_new + jnp.arange(num_new, dtype=jnp.int32)
-  valid = (position >= 0) & (position < capacity)
+  valid = position >= 0  # and below the capacity: lengths are clipped
   column = jnp.clip(position // page_size, 0, table.shape[1] - 1)
   page = jnp.take_along_axis(table, column, axis=1)
   valid = valid & (page >= 0) & (page < num_pages)
@@ -381,16 +313,18 @@ def append_to_cache(key_cache: ArrayLike, value_cache: ArrayLike,
                     new_value: ArrayLike) -> tuple[Array, Array]:
   """:func:`append_to_pages` for a contiguous cache ``[B, S, K, H]``: new
   token ``t`` of sequence ``b`` goes to slot ``lengths[b] - T + t``
-  (``lengths`` after the append); tokens outside ``[0, S)`` are not
-  written."""
+  (``lengths`` after the append, clipped to ``[0, S]`` as
+  :func:`decode_attention` clips them); tokens at negative positions are
+  not written."""
   key_cache, value_cache = _caches(key_cache, value_cache, "[B, S, K, H]")
   batch, capacity = key_cache.shape[:2]
-  lengths = _int32(lengths, "lengths", (batch,), "[B]", capacity)
+  lengths = _lengths(lengths, batch, capacity)
   new_key, new_value = _new_tokens(new_key, new_value, key_cache, batch)
   num_new = new_key.shape[1]
   position = lengths[:, None] - num_new + jnp.arange(num_new, dtype=jnp.int32)
-  position = jnp.where((position >= 0) & (position < capacity), position,
-                       capacity)
+  # Lengths are clipped, so positions lie below the capacity; a negative
+  # one becomes the capacity, which the scatter drops.
+  position = jnp.where(position >= 0, position, capacity)
   rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
   return (key_cache.at[rows, position].set(new_key, mode="drop"),
           value_cache.at[rows, position].set(new_value, mode="drop"))

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jflash
 from jflash import reference
@@ -156,10 +157,63 @@ def grads_of(fn, case: Case, cotangent, argnums=(0, 1, 2)):
   return jax.grad(loss, argnums=argnums)(*case.arrays)
 
 
-__all__ = ["Case", "HOPPER", "current_seed", "fresh_rng", "next_seed",
-           "seeded_rng", "lowering_for_hopper", "random_qkv", "rel_err",
-           "lse_err", "random_normal", "random_segments", "grads_of",
-           "plain_attention"]
+# ------------------------------------------------------- integer arguments
+INTEGER_DTYPES = tuple(np.dtype(d) for d in (
+    np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64))
+_INT32 = np.iinfo(np.int32)
+
+
+def integer_sources() -> list[Any]:
+  """pytest params ``(dtype, source, x64)``: every integer dtype given as a
+  NumPy array (``"numpy"``), a JAX array (``"jax"``) and a traced argument
+  of a jitted call (``"jit"``), with ``jax_enable_x64`` off and on.  JAX
+  holds 64-bit arrays only under x64, so those come from NumPy without it."""
+  params = []
+  for x64 in (False, True):
+    for dtype in INTEGER_DTYPES:
+      for source in ("numpy", "jax", "jit"):
+        if source != "numpy" and dtype.itemsize == 8 and not x64:
+          continue
+        params.append(pytest.param(
+            dtype, source, x64,
+            id=f"{dtype.name}-{source}" + ("-x64" if x64 else "")))
+  return params
+
+
+def extremes(dtype: np.dtype) -> tuple[int, int]:
+  """The smallest and largest values of an integer dtype."""
+  info = np.iinfo(dtype)
+  return int(info.min), int(info.max)
+
+
+def integer_array(values: Any, dtype: np.dtype,
+                  source: str) -> np.ndarray | jax.Array:
+  """``values`` (Python ints that ``dtype`` holds) in ``dtype``, on the
+  host for ``"numpy"``, else on the device (call under the x64 setting
+  the test runs with)."""
+  host = np.array(values, dtype)
+  assert np.array_equal(host.astype(object), np.array(values, object))
+  if source == "numpy":
+    return host
+  device = jnp.asarray(host)
+  assert device.dtype == dtype, (device.dtype, dtype)
+  return device
+
+
+def saturated_int32(values: Any) -> np.ndarray:
+  """What an int32 caller passes for ``values``: each one saturated to the
+  int32 range (every integer argument means the same past it)."""
+  clipped = np.clip(np.array(values, object), int(_INT32.min),
+                    int(_INT32.max))
+  return np.asarray(clipped, np.int64).astype(np.int32)
+
+
+__all__ = ["Case", "HOPPER", "INTEGER_DTYPES", "current_seed", "extremes",
+           "fresh_rng", "grads_of", "integer_array", "integer_sources",
+           "lowering_for_hopper", "lse_err", "next_seed", "plain_attention",
+           "random_normal", "random_qkv", "random_segments", "rel_err",
+           "saturated_int32", "seeded_rng"]
 
 
 HOPPER = "NVIDIA H100 80GB HBM3"

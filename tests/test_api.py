@@ -9,8 +9,9 @@ import pytest
 
 import jflash
 from jflash.backends import XlaBackend, XlaConfig
-from tests._support import (Case, fresh_rng, random_normal, random_qkv,
-                            random_segments, rel_err)
+from tests._support import (Case, extremes, fresh_rng, integer_array,
+                            integer_sources, random_normal, random_qkv,
+                            random_segments, rel_err, saturated_int32)
 
 
 _rng = fresh_rng
@@ -248,6 +249,62 @@ def test_traced_64_bit_segment_ids():
   want, _ = Case(q, k, v, kwargs=dict(segment_ids=small, is_causal=True)
                  ).call_reference(q, k, v, None)
   assert rel_err(got, want) < 1e-5
+
+
+def _distinct_labels(dtype: np.dtype) -> list[int]:
+  """Four distinct segment ids ``dtype`` holds, its extremes among them,
+  and for 64-bit dtypes two that agree in their low 32 bits."""
+  low, high = extremes(dtype)
+  labels = []
+  for x in (5, low, high, 5 + 2**32, 0, 1):
+    if low <= x <= high and x not in labels:
+      labels.append(x)
+  return labels[:4]
+
+
+@pytest.mark.parametrize("dtype,source,x64", integer_sources())
+def test_integer_arguments_of_every_dtype(dtype, source, x64):
+  """``query_seq_lengths``, ``key_value_seq_lengths``, ``segment_ids``,
+  ``local_window_size`` and ``is_causal`` in any integer dtype, on the
+  host, on the device or traced, give the int32 call's result: lengths and
+  window sides mean what the same values saturated to int32 mean (a
+  dtype's extremes lie past every sequence), ids are compared exactly."""
+  rng = _rng()
+  low, high = extremes(dtype)
+  t = s = 8
+  q, k, v = _qkv(rng, b=4, t=t, s=s)
+  q_lengths = [low, 3, t + 2, high]
+  kv_lengths = [high, low, 6, s + 5]
+  small_q = random_segments(rng, 4, t)
+  small_kv = random_segments(rng, 4, s)
+  labels = np.array(_distinct_labels(dtype), object)
+  wide_q, wide_kv = labels[small_q].tolist(), labels[small_kv].tolist()
+
+  def run(q_lengths, kv_lengths, q_ids, kv_ids, window, causal, jit):
+    def attend(q_lengths, kv_lengths, q_ids, kv_ids):
+      return jflash.dot_product_attention(
+          q, k, v, query_seq_lengths=q_lengths,
+          key_value_seq_lengths=kv_lengths, segment_ids=(q_ids, kv_ids),
+          local_window_size=window, is_causal=causal, return_residual=True)
+    return (jax.jit(attend) if jit else attend)(q_lengths, kv_lengths,
+                                                q_ids, kv_ids)
+
+  def scalar(x):
+    return integer_array(x, dtype, source) if source == "jax" else dtype.type(x)
+
+  with jax.enable_x64(x64):
+    want = run(saturated_int32(q_lengths), saturated_int32(kv_lengths),
+               small_q, small_kv, (2, int(saturated_int32(high))), True,
+               source == "jit")
+    got = run(*(integer_array(x, dtype, source)
+                for x in (q_lengths, kv_lengths, wide_q, wide_kv)),
+              (scalar(2), scalar(high)), scalar(1), source == "jit")
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
+                                 atol=1e-6)
+    if low < 0:
+      with pytest.raises(ValueError, match="local_window_size"):
+        jflash.dot_product_attention(q, k, v, local_window_size=scalar(-1))
 
 
 # ---------------------------------------------------------- jax.nn parity

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 import jflash
-from jflash.core.platform import host_target, is_hopper
 from jflash import masks, reference
+from jflash.core.platform import host_target, is_hopper
 from jflash.backends.mosaic_tpu.decode import MosaicTpuDecodeBackend
 from jflash.backends.xla import DecodeConfig, XlaDecodeBackend
-from tests._support import (HOPPER, fresh_rng, lowering_for_hopper, lse_err,
-                            plain_attention, random_normal,
-                            rel_err)
+from tests._support import (HOPPER, extremes, fresh_rng, integer_array,
+                            integer_sources, lowering_for_hopper, lse_err,
+                            plain_attention, random_normal, rel_err,
+                            saturated_int32)
 
 F32_TOL = 1e-5
 LOW_PRECISION_FLOOR = 2e-3
@@ -503,6 +504,161 @@ def test_lengths_of_any_integer_type_and_past_the_capacity():
   huge = np.array([0, 2**40, 1, 9], np.int64)
   got = jflash.decode_attention(*args, huge)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _junk_past_lengths(table: np.ndarray, lengths, page_size: int,
+                       junk: list[int]) -> list[list[int]]:
+  """``table`` as Python ints with the entries of pages past each
+  sequence's (clipped) length replaced by ``junk``, in turn."""
+  rows = table.astype(object).tolist()
+  capacity = table.shape[1] * page_size
+  count = 0
+  for row, length in zip(rows, lengths):
+    used = -(-min(max(length, 0), capacity) // page_size)
+    for j in range(used, len(row)):
+      row[j] = junk[count % len(junk)]
+      count += 1
+  return rows
+
+
+def _scalar(value: int, dtype: np.dtype, source: str):
+  """A scalar argument in ``dtype``: a NumPy scalar, or a 0-d JAX array
+  for ``"jax"`` (a jitted call takes it as a static Python value)."""
+  if source == "jax":
+    return integer_array(value, dtype, source)
+  return dtype.type(value)
+
+
+@pytest.mark.parametrize("dtype,source,x64", integer_sources())
+def test_decode_integer_arguments_of_every_dtype(dtype, source, x64):
+  """``lengths``, ``block_table``, ``local_window_size`` and
+  ``return_residual`` in any integer dtype, on the host, on the device or
+  traced, give the int32 call's result on the same values saturated to
+  int32: lengths below 0 or past the capacity clipped, the dtype's extremes
+  in table entries no new token reads never dereferenced."""
+  rng = fresh_rng()
+  low, high = extremes(dtype)
+  num_new, page_size, max_pages = 2, 4, 3
+  capacity = page_size * max_pages
+  lengths = [low, 1, 5, capacity + 3, high]
+  clipped = [min(max(n, 0), capacity) for n in lengths]
+  problem = make_problem(rng, batch=5, num_new=num_new, capacity=capacity)
+  table, k_pages, v_pages = paginate(rng, problem.key, problem.value,
+                                     clipped, page_size)
+  junk = [high, low, -1] if low < 0 else [high, low]
+  table = _junk_past_lengths(table, lengths, page_size, junk)
+  q, k, v = problem.query, problem.key, problem.value
+
+  def run(lengths, table, window, flag, jit):
+    def paged(n, t):
+      return jflash.decode_attention(q, k_pages, v_pages, n, block_table=t,
+                                     local_window_size=window,
+                                     return_residual=flag)
+
+    def contiguous(n):
+      return jflash.decode_attention(q, k, v, n, local_window_size=window,
+                                     return_residual=flag)
+    wrap = jax.jit if jit else (lambda f: f)
+    return wrap(paged)(lengths, table), wrap(contiguous)(lengths)
+
+  with jax.enable_x64(x64):
+    want = run(saturated_int32(lengths), saturated_int32(table),
+               (5, int(saturated_int32(high))), True, source == "jit")
+    got = run(integer_array(lengths, dtype, source),
+              integer_array(table, dtype, source),
+              (_scalar(5, dtype, source), _scalar(high, dtype, source)),
+              _scalar(1, dtype, source), source == "jit")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
+                               atol=1e-6)
+  if low < 0:
+    with jax.enable_x64(x64), pytest.raises(ValueError,
+                                            match="local_window_size"):
+      jflash.decode_attention(q, k, v, saturated_int32(lengths),
+                              local_window_size=_scalar(-1, dtype, source))
+
+
+@pytest.mark.parametrize("dtype,source,x64", integer_sources())
+def test_append_integer_arguments_of_every_dtype(dtype, source, x64):
+  """``lengths`` and ``block_table`` of any integer dtype write what the
+  int32 call on the values saturated to int32 writes: lengths clipped to
+  ``[0, S]`` as decode_attention clips them, tokens at negative positions
+  or under a table entry outside ``[0, P)`` dropped."""
+  rng = fresh_rng()
+  low, high = extremes(dtype)
+  num_new, page_size, max_pages, num_pages = 3, 4, 3, 20
+  capacity = page_size * max_pages
+  lengths = [low, 2, 7, capacity + 4, high, 9]
+  # Pages 1.. hold the sequences; page 0 only where an unsigned dtype's
+  # smallest value stands (no other row writes it).
+  table = rng.permutation(np.arange(1, num_pages))[:6 * max_pages].reshape(
+      6, max_pages).astype(object)
+  table[5, 1] = high   # the page of positions 6 and 7: dropped
+  table[3, 2] = low    # the page of the clipped length's last three slots
+  table = table.tolist()
+  shape = (num_pages, page_size, 2, 4)
+  pages = random_normal(rng, shape, jnp.float32)
+  cache = random_normal(rng, (6, capacity, 2, 4), jnp.float32)
+  new = random_normal(rng, (6, num_new, 2, 4), jnp.float32)
+
+  def run(lengths, table, jit):
+    wrap = jax.jit if jit else (lambda f: f)
+    paged = wrap(lambda n, t: jflash.append_to_pages(
+        pages, pages + 1, t, n, new, new + 1))
+    contiguous = wrap(lambda n: jflash.append_to_cache(
+        cache, cache + 1, n, new, new + 1))
+    return paged(lengths, table), contiguous(lengths)
+
+  with jax.enable_x64(x64):
+    want = run(saturated_int32(lengths), saturated_int32(table),
+               source == "jit")
+    got = run(integer_array(lengths, dtype, source),
+              integer_array(table, dtype, source), source == "jit")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("lengths", [np.array([18], np.int32),
+                                     np.array([18], np.int64),
+                                     jnp.array([18], jnp.uint32)],
+                         ids=["int32", "int64-numpy", "uint32-jax"])
+def test_lengths_past_the_capacity_write_the_slots_decode_reads(lengths):
+  """A length past the capacity is the capacity, for the writes as for the
+  attention: the ``T`` new tokens go to the last ``T`` slots, where
+  decode_attention's queries then see them."""
+  rng = fresh_rng()
+  capacity, num_new, page_size = 16, 3, 4
+  cache = random_normal(rng, (1, capacity, 1, 8), jnp.float32)
+  new_k = random_normal(rng, (1, num_new, 1, 8), jnp.float32)
+  new_v = random_normal(rng, (1, num_new, 1, 8), jnp.float32)
+  k, v = jflash.append_to_cache(cache, cache, lengths, new_k, new_v)
+  want_k = np.asarray(cache).copy()
+  want_k[0, capacity - num_new:] = new_k[0]
+  np.testing.assert_array_equal(np.asarray(k), want_k)
+  table = np.array([[3, 0, 2, 1]], np.int32)
+  pages = cache.reshape(4, page_size, 1, 8)[np.argsort(table[0])]
+  k_pages, _ = jflash.append_to_pages(pages, pages, table, lengths, new_k,
+                                      new_k)
+  np.testing.assert_array_equal(
+      np.asarray(k_pages)[table[0]].reshape(want_k.shape), want_k)
+  q = random_normal(rng, (1, num_new, 2, 8), jnp.float32)
+  got = jflash.decode_attention(q, k, v, lengths)
+  want = Problem(q, k, v, np.array([capacity]), None, None).reference()[0]
+  assert rel_err(got, want) <= F32_TOL
+  # The new tokens see themselves: the same as attending with the length
+  # that fits.
+  np.testing.assert_array_equal(
+      np.asarray(got),
+      np.asarray(jflash.decode_attention(q, k, v, np.array([capacity]))))
+
+
+def test_traced_window_is_rejected_by_name():
+  rng = fresh_rng()
+  problem = make_problem(rng, batch=3, capacity=8)
+  with pytest.raises(ValueError, match="local_window_size must be .*traced"):
+    jax.jit(lambda w: jflash.decode_attention(
+        problem.query, problem.key, problem.value, problem.lengths,
+        local_window_size=w))(jnp.asarray(3))
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -1,2 +1,3 @@
-"""What every backend shares: the call types, the target platform, one
-registry of backends and one dispatcher for attention and decode."""
+"""What every public function and backend shares: the call types, the
+input checks, the target platform, one registry of backends and one
+dispatcher for attention and decode."""
