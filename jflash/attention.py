@@ -21,7 +21,7 @@ from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
                                 host_fits_int32, integers, is_traced)
 from jflash.core.platform import PLATFORMS, host_target, lowering_for
 from jflash.masks import AttentionMask
-from jflash.parallel import ContextParallel
+from jflash.parallel import ContextParallel, sharding
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -54,7 +54,7 @@ def _dense_ranks(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
   # along it (they are a small [B, T + S] int array) and their ranks
   # resharded as the ids came.
   shardings = [_whole_rows(x) for x in (q_ids, kv_ids)]
-  q_ids, kv_ids = (x if spec is None else jax.sharding.reshard(x, spec[1])
+  q_ids, kv_ids = (x if spec is None else sharding.reshard(x, *spec[1:])
                    for x, spec in zip((q_ids, kv_ids), shardings))
   ids = jnp.concatenate([q_ids, kv_ids], axis=1)
   position = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
@@ -64,17 +64,18 @@ def _dense_ranks(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
                           jnp.cumsum(steps, axis=1)], axis=1)
   _, rank = lax.sort((perm, rank), dimension=1, num_keys=1)
   ranks = (rank[:, :q_len], rank[:, q_len:])
-  return tuple(x if spec is None else jax.sharding.reshard(x, spec[0])
+  return tuple(x if spec is None else sharding.reshard(x, spec[1], spec[0])
                for x, spec in zip(ranks, shardings))
 
 
-def _whole_rows(ids: Array) -> tuple[Any, Any] | None:
-  """``(sharding spec, the spec with whole rows)`` of ids explicitly
+def _whole_rows(ids: Array) -> tuple[Any, Any, Any] | None:
+  """``(sharding spec, mesh, the spec with whole rows)`` of ids explicitly
   sharded along the sequence axis, else None."""
-  spec = getattr(getattr(jax.typeof(ids), "sharding", None), "spec", None)
+  named = getattr(jax.typeof(ids), "sharding", None)
+  spec = getattr(named, "spec", None)
   if spec is None or len(spec) < 2 or spec[1] is None:
     return None
-  return spec, jax.P(spec[0], None)
+  return spec, named.mesh, jax.P(spec[0], None)
 
 
 def _host_ranks(q_ids: np.ndarray,

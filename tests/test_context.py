@@ -474,3 +474,33 @@ def test_x64_wide_ids_lengths_and_unbounded_window():
       want = jflash.dot_product_attention(
           q, k, v, segment_ids=ids, implementation="xla", **kwargs)
       assert rel_err(out, want) < 1e-5
+
+
+def test_explicit_sequence_sharding_needs_no_ambient_mesh():
+  """Inputs sharded over an Explicit mesh axis carry their mesh: no
+  ``jax.set_mesh`` is needed around the call (the reshards inside name
+  that mesh), forward, gradients, and 64-bit ids ranked across shards."""
+  rng = fresh_rng()
+  mesh = _mesh((4,), ("c",), AxisType.Explicit)
+  sharding = NamedSharding(mesh, P(None, "c"))
+  with jax.enable_x64(True):
+    q, k, v = random_qkv(rng, b=2, t=64, s=64, n=4, k=2, h=16)
+    ids = jnp.asarray(random_segments(rng, 2, 64, 4).astype(np.int64)
+                      * 2**33)
+    args = [jax.device_put(x, sharding) for x in (q, k, v, ids)]
+
+    def loss(q, k, v, ids):
+      return jflash.dot_product_attention(q, k, v, is_causal=True,
+                                          segment_ids=ids).sum()
+
+    out = jax.jit(lambda q, k, v, ids: jflash.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids))(*args)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    want = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                        segment_ids=ids, implementation="xla")
+    want_grads = jax.grad(lambda q, k, v: jflash.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids,
+        implementation="xla").sum(), argnums=(0, 1, 2))(q, k, v)
+  assert rel_err(out, want) < 1e-5
+  for g, w in zip(grads, want_grads):
+    assert rel_err(g, w) < 1e-5

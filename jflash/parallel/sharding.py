@@ -97,9 +97,15 @@ def per_shard(call: AttentionCall, run: Callable[[AttentionCall],
       in_specs=(P(*q_spec), P(*k_spec), P(*v_spec), present_specs),
       out_specs=(P(b, None, h, None), P(b, None, h)),
       axis_names=set(batch_axes + head_axes), check_vma=False)
-  present = {name: jax.sharding.reshard(x, present_specs[name])
+  present = {name: reshard(x, mesh, present_specs[name])
              for name, x in present.items()}
   return mapped(call.query, call.key, call.value, present)
+
+
+def reshard(x: Array, mesh, spec: P) -> Array:
+  """``x`` resharded to ``spec`` over ``mesh`` (the inputs' own mesh, so
+  that no ``jax.set_mesh`` is needed around the call)."""
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _mask_array_spec(name: str, batch, sequence) -> P:
@@ -178,8 +184,8 @@ def run_sequence_sharded(
   mapped = jax.shard_map(
       body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, present_specs),
       out_specs=(x_spec, P(b, seq, h)), axis_names=axes, check_vma=False)
-  q, k, v = (jax.sharding.reshard(x, x_spec)
+  q, k, v = (reshard(x, mesh, x_spec)
              for x in (call.query, call.key, call.value))
-  present = {name: jax.sharding.reshard(x, present_specs[name])
+  present = {name: reshard(x, mesh, present_specs[name])
              for name, x in present.items()}
   return mapped(q, k, v, present)
