@@ -187,8 +187,9 @@ def decode_attention(
       read.
     logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
       scaling.
-    implementation: None (the ``"mosaic_gpu"`` kernel on a Hopper GPU where
-      it serves the call, else ``"xla"``), a backend name, a decode backend
+    implementation: None (the ``"mosaic_gpu"`` kernel on a Hopper GPU and
+      the ``"mosaic_tpu"`` kernel on a TPU where they serve the call, else
+      ``"xla"``), a backend name, a decode backend
       object (such as ``jflash.backends.XlaDecodeBackend(
       DecodeConfig(...))``), a sequence of those tried in order, or a
       mapping from lowering platforms to any of these, as for

@@ -16,11 +16,11 @@ exactly, in split order, by :func:`jflash.backends.xla.decode.merge_partials`.
 
 The cache is read as ``[P, page_size, K * H]`` (a free reshape of ``[P,
 page_size, K, H]``); a cell's block is head ``k``'s ``[chunk, H]`` slab.
-Verified in Pallas's interpret mode on the CPU, and exported for a TPU
-from the CPU (Pallas's TPU lowering accepts it); never run on a TPU.  On
-a TPU, Mosaic's block rule asks ``H`` to be a multiple of 128 when
-``K > 1`` and a contiguous chunk to be a multiple of 8 slots; other calls
-are declined there.
+Verified in Pallas's interpret mode on the CPU and compiled by libtpu for
+v4, v5e, v5p and v6e (``tests/test_tpu_compile.py``); not yet timed on a
+TPU.  On a TPU, Mosaic's block rule asks ``H`` to be a multiple of 128
+when ``K > 1`` and a contiguous chunk to be a multiple of 8 slots, and
+float16 has no vector loads; other calls are declined there.
 """
 
 from __future__ import annotations
@@ -116,15 +116,14 @@ def _kernel(*refs, st: _Static, names: tuple[str, ...]):
 
 def _row_visibility(st: _Static, length, slots) -> Array:
   """bool ``[rows, C]``: row ``g * T + t`` sees slot ``slots[c]``; padding
-  rows see nothing."""
-  vis = masks.decode_visibility(jnp.reshape(length, (1,)), st.num_new,
-                                slots, kv_len=st.capacity,
-                                window=st.window)[0]  # [T, C]
-  vis = jnp.tile(vis, (st.groups, 1))
-  pad = st.rows - vis.shape[0]
-  if pad:
-    vis = jnp.concatenate([vis, jnp.zeros((pad, vis.shape[1]), bool)])
-  return vis
+  rows see nothing.  Built from each row's interval (elementwise integer
+  operations in the registers' own layout: Mosaic cannot tile or
+  concatenate bool vectors)."""
+  row = lax.broadcasted_iota(jnp.int32, (st.rows, 1), 0)
+  lo, hi = masks.decode_row_bounds_at(lax.rem(row, st.num_new), length,
+                                      st.num_new, kv_len=st.capacity,
+                                      window=st.window)
+  return (slots >= lo) & (slots < hi) & (row < st.groups * st.num_new)
 
 
 def _step(r: dict, st: _Static, b, s, j) -> None:
@@ -135,8 +134,13 @@ def _step(r: dict, st: _Static, b, s, j) -> None:
   q, k, v = r["q"][...], r["k"][...], r["v"][...]
   if st.float32_products:
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  # Values of slots no row sees are zeroed: they may hold anything.
-  v = jnp.where(vis.any(0)[:, None], v, jnp.zeros((), v.dtype))
+  # Values of slots no row sees are zeroed: they may hold anything.  The
+  # rows see the slots of one interval, the key range, tested as a column
+  # (Mosaic cannot turn a row of bools into a column).
+  first, end = masks.decode_key_range(r["lengths"][b], st.num_new,
+                                      kv_len=st.capacity, window=st.window)
+  column = c * st.chunk + lax.broadcasted_iota(jnp.int32, (st.chunk, 1), 0)
+  v = jnp.where((column >= first) & (column < end), v, jnp.zeros((), v.dtype))
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   logits = lax.dot_general(q, k, _NT_DIMS, precision=precision,
                            preferred_element_type=jnp.float32)
@@ -204,9 +208,11 @@ def _run(call: DecodeCall, st: _Static, num_splits: int, scalars: dict,
 class MosaicTpuDecodeBackend:
   """The Pallas Mosaic TPU decode kernel.
 
-  Serves float32, bfloat16 and float16 on a TPU, or anywhere with
+  Serves float32 and bfloat16 on a TPU, and float16 too anywhere with
   ``interpret=True``; declines (``NotImplementedError``) other platforms
-  without ``interpret`` and float64.  One grid step reads one page of a
+  without ``interpret``, float64, and float16 on a TPU (Mosaic has no
+  float16 vector loads there, and converting the cache first would read it
+  twice: ``xla`` serves it).  One grid step reads one page of a
   paged cache, or ``config.chunk_size`` slots of a contiguous one;
   ``config.num_splits`` / ``parallelism`` split the key range and
   ``config.matmul_inputs`` picks the product operands as in the ``xla``
@@ -227,6 +233,11 @@ class MosaicTpuDecodeBackend:
             f"{self.name} decode runs on a TPU (the call is traced for "
             f"{platform!r}); pass interpret=True to run it in Pallas's "
             "interpret mode")
+      if call.dtype == jnp.float16:
+        raise NotImplementedError(
+            f"{self.name} decode on a TPU reads bfloat16 or float32 caches "
+            "(Mosaic has no float16 vector loads); the 'xla' decode "
+            "backend serves float16")
       self._check_tpu_blocks(call)
     chunk_size = call.page_size if call.paged else self.config.chunk_size
     plan = make_plan(call, dataclasses.replace(self.config,
