@@ -2,9 +2,10 @@
 
 One tiling ``block_q x block_kv`` serves the forward, dQ and dK/dV kernels,
 because one tile schedule (:func:`jflash.tiles.tile_schedule`) is computed
-per call and shared by all three.  Defaults come from
-:data:`GENERATIONS`, keyed by ``jax.devices()[0].device_kind``; the
-arithmetic behind them is in ``docs/tpu.md`` and in :func:`vmem_estimate`.
+per call and shared by all three.  The defaults (:data:`BLOCKS`) are the
+compiler's answers: the largest tiling that libtpu compiles for each
+generation under its VMEM request (``tools/tpu_blocks.py``; the figures
+are in ``docs/tpu.md``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class Generation:
     bf16_flops: peak bfloat16 matmul rate of the device.
     mxu: systolic array width (128 before v6e, 256 from v6e); block sizes
       are multiples of it.
-    block_q, block_kv: default tiling before the VMEM fit.
   """
 
   name: str
@@ -40,8 +40,6 @@ class Generation:
   hbm_bytes_per_s: float
   bf16_flops: float
   mxu: int
-  block_q: int
-  block_kv: int
 
   @property
   def ridge(self) -> float:
@@ -61,22 +59,53 @@ class Generation:
 # the block sizes and says which figures are unconfirmed.
 GENERATIONS: dict[str, Generation] = {
     "v4": Generation("v4", vmem_bytes=16 * MIB, hbm_bytes_per_s=1.2e12,
-                     bf16_flops=2.75e14, mxu=128, block_q=512, block_kv=512),
+                     bf16_flops=2.75e14, mxu=128),
     "v5e": Generation("v5e", vmem_bytes=128 * MIB, hbm_bytes_per_s=8.19e11,
-                      bf16_flops=1.97e14, mxu=128, block_q=512,
-                      block_kv=512),
+                      bf16_flops=1.97e14, mxu=128),
     "v5p": Generation("v5p", vmem_bytes=64 * MIB, hbm_bytes_per_s=2.765e12,
-                      bf16_flops=4.59e14, mxu=128, block_q=512,
-                      block_kv=512),
+                      bf16_flops=4.59e14, mxu=128),
     "v6e": Generation("v6e", vmem_bytes=128 * MIB, hbm_bytes_per_s=1.64e12,
-                      bf16_flops=9.2e14, mxu=256, block_q=1024,
-                      block_kv=512),
+                      bf16_flops=9.2e14, mxu=256),
 }
 
 # Other or unknown TPUs (and interpret mode off a TPU): the smallest VMEM of
-# the table, 128-wide blocks.
+# the table.
 FALLBACK = Generation("unknown", vmem_bytes=16 * MIB, hbm_bytes_per_s=8.2e11,
-                      bf16_flops=1.97e14, mxu=128, block_q=512, block_kv=512)
+                      bf16_flops=1.97e14, mxu=128)
+
+# (generation, padded head dim, bytes per kernel input element) ->
+# (block_q, block_kv): the largest tiling up to 1024 x 1024 (more rows
+# first) whose three kernels libtpu compiles, double-buffered, under the
+# generation's VMEM request, with segment ids and a soft cap (the largest
+# footprint); float16 runs the float32 kernels.  Beyond 1024 x 1024 a
+# float32 score tile alone takes 4 MiB and an 8k sequence has 8 steps per
+# row.  Found by tools/tpu_blocks.py; VMEM needed per entry in docs/tpu.md.
+BLOCKS: dict[tuple[str, int, int], tuple[int, int]] = {
+    # v4: 12 MiB requested of 16; the 1024-row bf16 tiles need 11.
+    ("v4", 128, 2): (1024, 512), ("v4", 128, 4): (512, 512),
+    ("v4", 256, 2): (512, 512), ("v4", 256, 4): (512, 256),
+    # v5e, v6e: 64 MiB requested; 1024 x 1024 needs 14 to 41.
+    ("v5e", 128, 2): (1024, 1024), ("v5e", 128, 4): (1024, 1024),
+    ("v5e", 256, 2): (1024, 1024), ("v5e", 256, 4): (1024, 1024),
+    # v5p: 48 MiB requested; float32 at head dim 256 needs more than that
+    # at 1024 x 1024, 28 MiB at 1024 x 512.
+    ("v5p", 128, 2): (1024, 1024), ("v5p", 128, 4): (1024, 1024),
+    ("v5p", 256, 2): (1024, 1024), ("v5p", 256, 4): (1024, 512),
+    ("v6e", 128, 2): (1024, 1024), ("v6e", 128, 4): (1024, 1024),
+    ("v6e", 256, 2): (1024, 1024), ("v6e", 256, 4): (1024, 1024),
+}
+
+
+def default_blocks(gen: Generation, head_dim: int,
+                   itemsize: int) -> tuple[int, int]:
+  """``(block_q, block_kv)`` of :data:`BLOCKS` for a padded head dim (128
+  or 256) and kernel input bytes (2 or 4); an unknown generation takes the
+  smallest entry of any generation, which fits them all."""
+  key = (head_dim, itemsize)
+  if gen.name in GENERATIONS:
+    return BLOCKS[(gen.name,) + key]
+  return min((BLOCKS[(name,) + key] for name in GENERATIONS),
+             key=lambda blocks: blocks[0] * blocks[1])
 
 _DEVICE_KINDS = {
     "TPU v4": "v4",
@@ -93,71 +122,13 @@ def generation_of(device_kind: str) -> Generation:
   return GENERATIONS[name] if name else FALLBACK
 
 
-def vmem_estimate(block_q: int, block_kv: int, head_dim: int, itemsize: int,
-                  *, segment_ids: bool = True) -> dict[str, int]:
-  """Bytes of VMEM each kernel holds at once (an estimate that errs high).
-
-  Counts the double-buffered input and output blocks, the scratch
-  accumulators and four ``[block_q, block_kv]`` float32 temporaries (logits,
-  probabilities, their gradient and the element mask).
-
-  Args:
-    block_q, block_kv: the tiling.
-    head_dim: the padded head dim (a multiple of 128).
-    itemsize: bytes per element of query/key/value (2 or 4).
-    segment_ids: count the blocks of segment ids.
-
-  Returns:
-    ``{"forward": ..., "dq": ..., "dkv": ...}`` in bytes.
-  """
-  f32 = 4
-  q_blk = block_q * head_dim * itemsize
-  kv_blk = block_kv * head_dim * itemsize
-  # Per-row statistics are stored as [1, block] rows, padded to 8 sublanes.
-  row_q = SUBLANES * block_q * f32
-  tile = block_q * block_kv * f32
-  seg = 0
-  if segment_ids:  # a [block, 1] column (lane-padded) and a [1, block] row
-    seg = 2 * (block_q * LANES * 4 + SUBLANES * block_kv * 4)
-  stats = 2 * block_q * LANES * f32  # running max and sum
-  forward = (2 * q_blk + 4 * kv_blk + 2 * block_q * head_dim * f32
-             + 2 * row_q + seg + stats + block_q * head_dim * f32 + 3 * tile)
-  dq = (4 * q_blk + 4 * kv_blk + 4 * row_q + 2 * q_blk + seg
-        + block_q * head_dim * f32 + 4 * tile)
-  dkv = (4 * q_blk + 4 * kv_blk + 4 * row_q + 4 * kv_blk + seg
-         + 2 * block_kv * head_dim * f32 + 4 * tile)
-  return {"forward": forward, "dq": dq, "dkv": dkv}
-
-
-def fit_blocks(gen: Generation, head_dim: int,
-               itemsize: int) -> tuple[int, int]:
-  """The generation's default tiling, halved (``block_kv`` first, never
-  below the MXU width) until every kernel's :func:`vmem_estimate` fits in
-  half of ``gen.vmem_limit_bytes`` (the other half is slack for what the
-  estimate does not see: Mosaic's relayouts and spills)."""
-  block_q, block_kv = gen.block_q, gen.block_kv
-  budget = gen.vmem_limit_bytes // 2
-  floor = gen.mxu
-  while max(vmem_estimate(block_q, block_kv, head_dim,
-                          itemsize).values()) > budget:
-    if block_kv >= block_q and block_kv > floor:
-      block_kv //= 2
-    elif block_q > floor:
-      block_q //= 2
-    elif block_kv > floor:
-      block_kv //= 2
-    else:
-      break
-  return block_q, block_kv
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicTpuConfig:
   """Tiling of the ``mosaic_tpu`` kernels.
 
   Attributes:
     block_q: query rows per tile, or None for the generation's default
-      (fitted to VMEM, see :func:`fit_blocks`).  Compiling for a TPU needs a
+      (:data:`BLOCKS`).  Compiling for a TPU needs a
       multiple of 128; in interpret mode any multiple of 8 works (small
       blocks make small test shapes span many tiles).  Clipped to the
       sequence length rounded up to that granule.
@@ -201,7 +172,7 @@ class MosaicTpuConfig:
       ValueError: an explicit block is not a multiple of 128 while
         compiling for a TPU.
     """
-    default_q, default_kv = fit_blocks(gen, head_dim, itemsize)
+    default_q, default_kv = default_blocks(gen, head_dim, itemsize)
     block_q = default_q if self.block_q is None else int(self.block_q)
     block_kv = default_kv if self.block_kv is None else int(self.block_kv)
     if not interpret:
