@@ -8,11 +8,20 @@ SHELL := /bin/bash
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.jflash-installed
-EXTRAS := test,demo
+# tpu: libtpu, whose compiler the TPU compile tests run on this CPU.
+EXTRAS := test,demo,tpu
 # pytest-xdist workers for `make test` (override: make test PYTEST_WORKERS=0).
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+
+# libtpu (the tpu extra) is installed for the TPU compile tests; on a host
+# without a TPU it is told a chip type instead of probing the host for one,
+# which it would report on every start.
+ifeq ($(wildcard /dev/accel* /dev/vfio/[0-9]*),)
+  export TPU_ACCELERATOR_TYPE ?= v5litepod-4
+  export TPU_WORKER_HOSTNAMES ?= localhost
+endif
 
 ifeq ($(PYTEST_WORKERS),0)
   XDIST :=

@@ -14,6 +14,12 @@
   front, unless the caller chose: ``pytest -n 8`` runs eight processes on
   one GPU, and with JAX's default each reserves three quarters of its
   memory, leaving the others too little.
+* With libtpu installed (``make test`` installs it for the TPU compile
+  tests, ``tests/test_tpu_compile.py``) and no TPU here: JAX's default
+  backend stays the CPU (``JAX_PLATFORMS=cpu``; libtpu's compiler is still
+  reached through ``jax.experimental.topologies``), libtpu is told the
+  chip type instead of probing the host for it, and several test
+  processes may load it at once.
 * Replayable random inputs (``tests/_seeds.py``): each test's generators
   (``fresh_rng()`` and friends) are seeded from its node id, or from
   ``JFLASH_TEST_SEED`` when set (``random`` for a new seed per test), and a
@@ -23,9 +29,19 @@
       JFLASH_TEST_SEED=<seed> python -m pytest '<node id>'
 """
 
+import glob
+import importlib.util
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+if (importlib.util.find_spec("libtpu") is not None
+    and not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*")
+    and not glob.glob("/dev/nvidia[0-9]*")):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 OPTIMIZED = {"xla_backend_optimization_level": 3}
 
