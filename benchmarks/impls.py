@@ -135,6 +135,48 @@ def _tokamax(cell: Cell) -> Attend:
   return attend
 
 
+def _splash(interpret: bool) -> Callable[[Cell], Attend]:
+  """JAX's splash attention (Pallas TPU), the TPU peer: queries scaled by
+  ``1 / sqrt(H)`` (splash does not scale), one mask per head, 512-row
+  blocks (the sequence's length when shorter); run on a TPU, or with
+  ``interpret`` on the CPU to check the wiring."""
+  def build(cell: Cell) -> Attend:
+    if not interpret and jax.default_backend() != "tpu":
+      raise Unsupported("splash attention runs on TPUs")
+    from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+        splash_attention_kernel as kernel_lib,
+        splash_attention_mask as mask_lib)
+    shape = (cell.seq_len, cell.seq_len)
+    if cell.window is not None:
+      mask = mask_lib.LocalMask(shape, window_size=(cell.window, 0),
+                                offset=0)
+    elif cell.causal:
+      mask = mask_lib.CausalMask(shape)
+    else:
+      mask = mask_lib.FullMask(shape)
+    block = min(512, cell.seq_len)
+    sizes = kernel_lib.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block)
+    kernel = kernel_lib.make_splash_mha(
+        mask_lib.MultiHeadMask([mask] * cell.num_heads), block_sizes=sizes,
+        head_shards=1, q_seq_shards=1, interpret=interpret)
+    scale = cell.head_dim ** -0.5
+
+    def attend(q, k, v, segment_ids):
+      q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))
+      if segment_ids is None:
+        out = jax.vmap(kernel)(q, k, v)
+      else:
+        out = jax.vmap(lambda q, k, v, ids: kernel(
+            q, k, v, segment_ids=kernel_lib.SegmentIds(q=ids, kv=ids)))(
+                q, k, v, segment_ids)
+      return jnp.swapaxes(out, 1, 2)
+    return attend
+  return build
+
+
 def _jflash_backend_name(text: str):
   """The ``implementation=`` value for ``jflash:<text>``: a backend name,
   None for jflash's own choice, ``mosaic_gpu_fused`` (the Hopper kernels
@@ -191,7 +233,8 @@ def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
   choose), ``jflash:<backend>`` for a specific backend (or
   ``jflash:mosaic_gpu_fused``, the one-pass backward, or
   ``jflash:mosaic_gpu+field=value+...``, a configuration), ``jax_nn_cudnn``,
-  ``jax_nn_xla``, ``tokamax``.
+  ``jax_nn_xla``, ``tokamax``, ``splash`` (JAX's splash attention, on a
+  TPU; ``splash_interpret`` runs it in interpret mode anywhere).
   """
   impls = []
   for name in names:
@@ -210,9 +253,14 @@ def make_impls(names: list[str], *, jflash_impl: str = "mosaic_gpu",
     elif name == "tokamax":
       impls.append(Impl(name, _tokamax,
                         "tokamax.dot_product_attention (default choice)"))
+    elif name in ("splash", "splash_interpret"):
+      impls.append(Impl(name, _splash(name == "splash_interpret"),
+                        "jax.experimental.pallas.ops.tpu.splash_attention "
+                        "make_splash_mha"))
     else:
       raise ValueError(f"unknown implementation {name!r}; known: jflash, "
-                       "jflash:<backend>, jax_nn_cudnn, jax_nn_xla, tokamax")
+                       "jflash:<backend>, jax_nn_cudnn, jax_nn_xla, tokamax, "
+                       "splash")
   return impls
 
 

@@ -522,3 +522,31 @@ def test_tuner_feature_search_starts_from_the_feature_default():
                     lambda row: None, min_gain=0.02)
   assert seen[0][1] == tuner.start_config(128, 16384)
   assert seen[0][1].qk_after_pv
+
+
+@pytest.mark.parametrize("cell", [
+    Cell(batch=2, seq_len=256, num_heads=2, head_dim=64, causal=True,
+         window=64),
+    Cell(batch=2, seq_len=256, num_heads=2, head_dim=64, causal=False,
+         segments=4)], ids=lambda c: c.name)
+def test_splash_peer_computes_the_cells_attention(cell):
+  """The TPU peer (JAX's splash attention, in interpret mode here) is
+  given the cell's mask, scale and segments: it agrees with jflash."""
+  import jax  # noqa: PLC0415
+  rng = fresh_rng()
+  q, k, v = (jnp.asarray(rng.standard_normal(
+      (cell.batch, cell.seq_len, cell.num_heads, cell.head_dim)),
+      jnp.float32) for _ in range(3))
+  ids = None
+  if cell.segments:
+    ids = jnp.asarray(np.repeat(np.arange(cell.segments),
+                                cell.seq_len // cell.segments)[None].repeat(
+                                    cell.batch, 0), jnp.int32)
+  splash, = impls.make_impls(["splash_interpret"])
+  ours, = impls.make_impls(["jflash:xla"])
+  got = jax.jit(splash.build(cell))(q, k, v, ids)
+  want = jax.jit(ours.build(cell))(q, k, v, ids)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5,
+                             rtol=2e-5)
+  with pytest.raises(impls.Unsupported, match="TPU"):
+    impls.make_impls(["splash"])[0].build(cell)
