@@ -97,7 +97,8 @@ class Backend(Protocol):
   name: str
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
-    """Returns ``(out [B, T, N, H], logsumexp [B, T, N] float32)`` or raises
+    """Returns ``(out [B, T, N, H], logsumexp [B, T, N])``, the logsumexp
+    float32 (float64 for float64 inputs), or raises
     ``NotImplementedError``."""
     ...
 

@@ -235,7 +235,8 @@ def _forward(q, k, v, bias, mask, sched: tiles.TileSchedule, plan: _Plan,
   # The output stays in the compute dtype here: the backward pass takes
   # delta = rowsum(dO * O) from it, and an O rounded to bfloat16 would cost
   # dQ and dK several times the rounding error of the result.
-  return out[:, :q_len], lse[:, :q_len].astype(jnp.float32)
+  # The logsumexp in the compute dtype: float32, float64 for float64.
+  return out[:, :q_len], lse[:, :q_len]
 
 
 def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
