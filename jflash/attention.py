@@ -15,11 +15,13 @@ from jax import lax
 from jflash.core import dispatch, registry
 from jflash.core.call import AttentionCall
 from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
-                                canonical_scale, canonical_soft_cap,
+                                canonical_scale, canonical_sinks,
+                                canonical_soft_cap,
                                 canonical_window, check_floating,
                                 compute_dtype, describe, fits_int32,
                                 host_fits_int32, integers, is_traced)
 from jflash.core.platform import PLATFORMS, host_target, lowering_for
+from jflash.core.sinks import apply_sinks
 from jflash.masks import AttentionMask
 from jflash.parallel import ContextParallel, sharding
 
@@ -313,6 +315,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: ArrayLike | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     interpret: bool = False,
@@ -348,6 +351,11 @@ def dot_product_attention(
       exactly (64-bit ids are renumbered, never truncated).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
+    attention_sinks: floating ``[N]``, one logit per query head that joins
+      every row's softmax denominator and carries no value (gpt-oss,
+      streaming LLMs): a row's weights are ``exp(l_s) / (sum_s exp(l_s) +
+      exp(sink[n]))``.  Differentiable; the logsumexp returned includes it.
+      With context parallelism each row counts it once.
     implementation: ``None`` (the best backend for the platform the call is
       traced for; always succeeds), a backend name (``"xla"``,
       ``"cudnn"``, ``"mosaic_gpu"``, ``"mosaic_tpu"``), a configured
@@ -397,16 +405,28 @@ def dot_product_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, return_residual=return_residual,
       interpret=interpret, shards=_shards(parallel))
+  call, sinks = _with_sinks(call, attention_sinks)
   request = dispatch.parse_request(implementation)
   if _is_empty(call):
     out, lse = _empty_result(call)
   else:
     out, lse, _ = dispatch.attention(call, request, parallel)
+  out, lse = apply_sinks(out, lse, sinks)
   if unbatched:
     out, lse = out[0], lse[0]
   if return_residual:
     return out, lse.astype(out.dtype)
   return out
+
+
+def _with_sinks(call: AttentionCall, attention_sinks: Any
+                ) -> tuple[AttentionCall, Array | None]:
+  """The call and the canonical sinks; a call with sinks needs the
+  backend's logsumexp to be differentiable (:mod:`jflash.core.sinks`)."""
+  sinks = canonical_sinks(attention_sinks, call.query.shape[2], call.dtype)
+  if sinks is not None:
+    call = dataclasses.replace(call, returns_residual=True)
+  return call, sinks
 
 
 def _is_empty(call: AttentionCall) -> bool:
@@ -433,7 +453,8 @@ def _empty_result(call: AttentionCall) -> tuple[Array, Array]:
   """
   q = call.query
   if 0 in q.shape[:3] or call.key.shape[1] == 0:
-    return jnp.zeros_like(q), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+    return jnp.zeros_like(q), jnp.full(q.shape[:-1], -jnp.inf,
+                                       compute_dtype(q.dtype))
   widths = ((0, 0), (0, 0), (0, 0), (0, 1))
   padded = dataclasses.replace(
       call, query=jnp.pad(q, widths), key=jnp.pad(call.key, widths),
@@ -456,6 +477,7 @@ def selected_implementation(
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: ArrayLike | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
     interpret: bool = False,
@@ -500,6 +522,7 @@ def selected_implementation(
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, return_residual=return_residual,
         interpret=interpret, shards=_shards(parallel))
+    call, _ = _with_sinks(call, attention_sinks)
     if _is_empty(call):
       chosen.append(_EMPTY_RESULT_BACKEND)
       return 0

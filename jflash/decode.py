@@ -29,8 +29,10 @@ import jax.numpy as jnp
 
 from jflash.core import dispatch
 from jflash.core.call import DecodeCall
+from jflash.core.sinks import apply_sinks
 from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
-                                canonical_scale, canonical_soft_cap,
+                                canonical_scale, canonical_sinks,
+                                canonical_soft_cap,
                                 canonical_window, check_floating,
                                 compute_dtype, describe, integers, to_int32)
 
@@ -148,6 +150,7 @@ def decode_attention(
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: ArrayLike | None = None,
     implementation: str | Sequence[str] | Any | None = None,
     return_residual: bool = False,
     interpret: bool = False,
@@ -187,6 +190,10 @@ def decode_attention(
       read.
     logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
       scaling.
+    attention_sinks: floating ``[N]``: one logit per query head in every
+      row's softmax denominator, with no value (as in
+      :func:`jflash.dot_product_attention`); the logsumexp returned
+      includes it.
     implementation: None (the ``"mosaic_gpu"`` kernel on a Hopper GPU and
       the ``"mosaic_tpu"`` kernel on a TPU where they serve the call, else
       ``"xla"``), a backend name, a decode backend
@@ -221,11 +228,13 @@ def decode_attention(
   return_residual = bool_flag(return_residual, "return_residual")
   call = dataclasses.replace(call, interpret=bool_flag(interpret, "interpret"))
   batch, num_new, num_heads, _ = call.query.shape
+  sinks = canonical_sinks(attention_sinks, num_heads, call.dtype)
   if batch == 0 or num_heads == 0:
     out = jnp.zeros(call.query.shape, call.dtype)
     lse = jnp.full((batch, num_new, num_heads), -jnp.inf, jnp.float32)
   else:
     out, lse, _ = dispatch.decode(call, request)
+  out, lse = apply_sinks(out, lse, sinks)
   return (out, lse) if return_residual else out
 
 

@@ -26,6 +26,7 @@ def reference_attention(
     *,
     scale: float,
     logits_soft_cap: float | None = None,
+    attention_sinks: Array | None = None,
     compute_dtype=None,
 ) -> tuple[Array, Array]:
   """Attention on canonical inputs, computed the plain way.
@@ -38,6 +39,9 @@ def reference_attention(
     scale: multiplies ``query . key``.
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
+    attention_sinks: ``[N]`` or None: one more logit per row of head ``n``,
+      always visible, whose value is zero (a column of the softmax that
+      no key occupies).
     compute_dtype: defaults to float64 when x64 is enabled, else float32.
 
   Returns:
@@ -60,6 +64,13 @@ def reference_attention(
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   visible = mask.visibility()
   logits = jnp.where(visible, logits, -jnp.inf)
+  if attention_sinks is not None:
+    sink = jnp.broadcast_to(
+        attention_sinks.astype(compute_dtype)[None, :, None, None],
+        logits.shape[:3] + (1,))
+    logits = jnp.concatenate([logits, sink], axis=-1)
+    value_pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+    v = jnp.pad(v, value_pad)  # the sink's value: zero
   row_max = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
   row_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
   weights = jnp.exp(logits - row_max)

@@ -262,3 +262,17 @@ def canonical_soft_cap(logits_soft_cap: Any, scale: float,
                      f"overflows {dtype.name}; raise logits_soft_cap or "
                      "lower scale")
   return cap
+
+
+def canonical_sinks(x: Any, num_heads: int, dtype: Any) -> Array | None:
+  """``attention_sinks``: floating ``[N]``, one logit per query head, as
+  an array of the softmax's dtype (float32, float64 for float64 inputs);
+  None stays None."""
+  if x is None:
+    return None
+  sinks = as_array(x, "attention_sinks")
+  check_floating(sinks, "attention_sinks")
+  if sinks.shape != (num_heads,):
+    raise ValueError(f"attention_sinks must have shape [N] = ({num_heads},) "
+                     f"(one logit per query head), got {describe(x)}")
+  return sinks.astype(compute_dtype(dtype))
