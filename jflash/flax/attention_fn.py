@@ -38,9 +38,9 @@ Differences from Flax's own attention (what is honoured, what is not):
   Flax would (same dropout bits for the same ``dropout_rng``).
 * The fallback cannot express jflash-only features in general, so a fallback
   combined with ``scale``, ``segment_ids``, ``query_seq_lengths``,
-  ``key_value_seq_lengths``, ``local_window_size`` or ``logits_soft_cap``
-  raises ``NotImplementedError`` naming both arguments; nothing is silently
-  dropped.
+  ``key_value_seq_lengths``, ``local_window_size``, ``logits_soft_cap`` or
+  ``attention_sinks`` raises ``NotImplementedError`` naming both arguments;
+  nothing is silently dropped.
 * ``input_positions`` (NNX's RoPE hook) raises ``NotImplementedError``: apply
   RoPE to query and key before attention.
 """
@@ -67,7 +67,8 @@ from jflash.attention import is_segment_pair
 Array = jax.Array
 
 JFLASH_ONLY = ("scale", "segment_ids", "query_seq_lengths",
-               "key_value_seq_lengths", "local_window_size", "logits_soft_cap")
+               "key_value_seq_lengths", "local_window_size", "logits_soft_cap",
+               "attention_sinks")
 """Keyword arguments that Flax's fallback implementation cannot express."""
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep
@@ -271,6 +272,7 @@ def attention_fn(
     key_value_seq_lengths: Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: Array | None = None,
     implementation: str | Sequence[str] | None = None,
 ) -> Array:
   """Flax-compatible attention computed by :func:`jflash.dot_product_attention`.
@@ -292,8 +294,8 @@ def attention_fn(
     segment_ids: int ``[batch..., T]`` or a pair ``([batch..., T],
       [batch..., S])`` given as a tuple (or a list of two arrays).
     query_seq_lengths, key_value_seq_lengths: int ``[batch...]``.
-    local_window_size, logits_soft_cap, implementation: as in
-      :func:`jflash.dot_product_attention`.
+    local_window_size, logits_soft_cap, attention_sinks, implementation:
+      as in :func:`jflash.dot_product_attention` (sinks ``[N]``).
 
   Returns:
     ``[batch..., T, N, Hv]`` in the promoted dtype.
@@ -323,7 +325,8 @@ def attention_fn(
                  query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths,
                  local_window_size=local_window_size,
-                 logits_soft_cap=logits_soft_cap)
+                 logits_soft_cap=logits_soft_cap,
+                 attention_sinks=attention_sinks)
     blocking = [name for name in JFLASH_ONLY if given[name] is not None]
     if blocking:
       raise NotImplementedError(
@@ -364,6 +367,7 @@ def attention_fn(
           key_value_seq_lengths, "key_value_seq_lengths", batch_shape),
       local_window_size=local_window_size,
       segment_ids=_flatten_segment_ids(segment_ids, batch_shape, t, s),
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, attention_sinks=attention_sinks,
+      implementation=implementation)
   return out[..., :v_dim].reshape(batch_shape + out.shape[1:3] + (v_dim,))
 

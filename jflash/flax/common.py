@@ -92,9 +92,11 @@ def attend(
     key_value_seq_lengths: Array | None,
     qk_attn_weights_einsum: Any = None,
     attn_weights_value_einsum: Any = None,
+    attention_sinks: Array | None = None,
 ) -> Array:
   """The modules' attention: ``[batch..., T, N|K, H]`` projections in,
-  ``[batch..., T, N, H]`` out.
+  ``[batch..., T, N, H]`` out; ``attention_sinks`` is the module's sink
+  parameter ``[N]`` or None.
 
   ``layer`` is the calling module: its fields (``dropout_rate``,
   ``broadcast_dropout``, ``dtype``, ``precision``, ``local_window_size``,
@@ -118,7 +120,8 @@ def attend(
       out = decode_step(layer, query, key, value, decode_index, mask=mask,
                         segment_ids=segment_ids,
                         query_seq_lengths=query_seq_lengths,
-                        key_value_seq_lengths=key_value_seq_lengths)
+                        key_value_seq_lengths=key_value_seq_lengths,
+                        attention_sinks=attention_sinks)
       if out is not None:
         return out
     mask, key_value_seq_lengths = decode_visibility(
@@ -138,14 +141,14 @@ def attend(
       is_causal=is_causal, segment_ids=segment_ids,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=window,
-      logits_soft_cap=layer.logits_soft_cap,
+      logits_soft_cap=layer.logits_soft_cap, attention_sinks=attention_sinks,
       implementation=layer.implementation)
 
 
 def decode_step(
     layer: Any, query: Array, key: Array, value: Array, decode_index: Array,
     *, mask: Array | None, segment_ids: Any, query_seq_lengths: Any,
-    key_value_seq_lengths: Any,
+    key_value_seq_lengths: Any, attention_sinks: Array | None = None,
 ) -> Array | None:
   """One decode step through :func:`jflash.decode_attention`, or None when
   the call needs more than it expresses (the caller then runs
@@ -182,7 +185,7 @@ def decode_step(
         key.reshape((b,) + key.shape[-3:]),
         value.reshape((b,) + value.shape[-3:]), lengths,
         local_window_size=window, logits_soft_cap=layer.logits_soft_cap,
-        implementation=layer.implementation)
+        attention_sinks=attention_sinks, implementation=layer.implementation)
   except NotImplementedError:
     # A named kernel that declines this step (e.g. mosaic_gpu at an odd head
     # dim): the attention path honours the name with its own kernels.

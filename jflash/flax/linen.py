@@ -76,6 +76,11 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
     implementation, local_window_size, logits_soft_cap: as in
       :func:`jflash.dot_product_attention` (None: best backend, no window, no
       cap).
+    attention_sinks: create a parameter ``sinks [num_heads]`` (initialized
+      by ``sinks_init``, zeros by default) joining every row's softmax
+      denominator (:func:`jflash.dot_product_attention`'s
+      ``attention_sinks``).
+    sinks_init: initializer of the sinks.
 
   ``attention_fn`` must stay the default: this module exists to run jflash.
   """
@@ -83,6 +88,8 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
   implementation: str | Sequence[Any] | None = None
   local_window_size: int | tuple[int, int] | None = None
   logits_soft_cap: float | None = None
+  attention_sinks: bool = False
+  sinks_init: Any = nn.initializers.zeros_init()
 
   @nn.compact
   def __call__(  # type: ignore[override]
@@ -183,13 +190,16 @@ class MultiHeadAttention(nn.MultiHeadDotProductAttention):
                  if self.qk_attn_weights_einsum_cls else None)
     av_einsum = (self.attn_weights_value_einsum_cls()
                  if self.attn_weights_value_einsum_cls else None)
+    sinks = (self.param("sinks", self.sinks_init, (self.num_heads,),
+                        self.param_dtype) if self.attention_sinks else None)
     x = common.attend(
         self, query, key, value, decode_index, mask=mask, is_causal=is_causal,
         dropout_rng=dropout_rng, deterministic=m_deterministic,
         sow_weights=sow_weights, segment_ids=segment_ids,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
-        qk_attn_weights_einsum=qk_einsum, attn_weights_value_einsum=av_einsum)
+        qk_attn_weights_einsum=qk_einsum, attn_weights_value_einsum=av_einsum,
+        attention_sinks=sinks)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,

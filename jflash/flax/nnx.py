@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
@@ -39,6 +40,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     implementation, local_window_size, logits_soft_cap: as in
       :func:`jflash.dot_product_attention` (None: best backend, no window, no
       cap).
+    attention_sinks: create a parameter ``sinks [num_heads]`` (zeros, in
+      ``param_dtype``) joining every row's softmax denominator
+      (:func:`jflash.dot_product_attention`'s ``attention_sinks``).
 
   ``attention_fn`` must be left out: this module exists to run jflash.
   """
@@ -51,6 +55,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       implementation: str | Sequence[Any] | None = None,
       local_window_size: int | tuple[int, int] | None = None,
       logits_soft_cap: float | None = None,
+      attention_sinks: bool = False,
       **kwargs: Any,
   ):
     fn = kwargs.pop("attention_fn", None)
@@ -68,6 +73,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.implementation = implementation
     self.local_window_size = local_window_size
     self.logits_soft_cap = logits_soft_cap
+    self.sinks = (nnx.Param(jnp.zeros((num_heads,), self.param_dtype))
+                  if attention_sinks else None)
 
   def __call__(  # type: ignore[override]
       self,
@@ -168,5 +175,6 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         dropout_rng=dropout_rng, deterministic=deterministic,
         sow_weights=sow_weights, segment_ids=segment_ids,
         query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths)
+        key_value_seq_lengths=key_value_seq_lengths,
+        attention_sinks=None if self.sinks is None else self.sinks[...])
     return self.out(x, out_sharding=out_sharding)
