@@ -752,3 +752,36 @@ def test_mosaic_gpu_offsets_grad(name, fuse_dq):
             + jnp.sum(lse * d_lse))
   got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*arrays)
   _check_grads(got, call(*arrays), d_out, d_lse, info)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic_gpu", None])
+def test_attention_sinks_on_the_gpu(implementation):
+  """Sinks through the Hopper kernels and through the default (which must
+  pass over cuDNN, whose logsumexp has no gradient): output and gradients,
+  sinks' included, against the float32 reference with sinks."""
+  from tests.test_sinks import _problem  # pylint: disable=import-outside-toplevel
+  problem = _problem(np.random.default_rng(next_seed()), "causal",
+                     dtype=jnp.bfloat16, t=300, s=300, heads=(8, 2),
+                     head_dim=128)
+  args = (problem.q, problem.k, problem.v, problem.sinks)
+  cot = random_normal(np.random.default_rng(next_seed()), problem.q.shape,
+                      jnp.float32)
+
+  def loss(fn):
+    return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot)
+
+  ours = lambda q, k, v, s: jflash.dot_product_attention(
+      q, k, v, is_causal=True, attention_sinks=s,
+      implementation=implementation)
+  ref = lambda q, k, v, s: problem.reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+      s)[0]
+  assert rel_err(jax.jit(ours)(*args), ref(*args)) < 2e-2
+  got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(*args)
+  want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(*args)
+  for g, w in zip(got, want):
+    assert rel_err(g, w) < 3e-2
+  if implementation is None:
+    assert jflash.selected_implementation(
+        *args[:3], is_causal=True, attention_sinks=problem.sinks,
+        for_training=True) != "cudnn"

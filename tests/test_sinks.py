@@ -326,3 +326,21 @@ def test_nnx_module_sinks_parameter():
   without = jnnx.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0), decode=False)
   assert rel_err(module(x, is_causal=True), without(x, is_causal=True)) < 1e-6
   assert rel_err(out, without(x, is_causal=True)) > 1e-3
+
+
+def test_hopper_kernels_lower_with_sinks():
+  """Traced for a Hopper GPU, a call with sinks runs the Mosaic GPU
+  kernels (forward and backward), not cuDNN or xla."""
+  from tests._support import lowering_for_hopper  # pylint: disable=import-outside-toplevel
+  q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+  def grad(q, k, v, s):
+    return jax.grad(lambda *a: jflash.dot_product_attention(
+        *a[:3], is_causal=True, attention_sinks=a[3]).astype(
+            jnp.float32).sum(), argnums=(0, 1, 2, 3))(q, k, v, s)
+
+  with lowering_for_hopper():
+    text = jax.jit(grad).trace(q, q, q, sinks).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") >= 2
