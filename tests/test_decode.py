@@ -206,6 +206,36 @@ def test_default_backend_and_split_counts_agree_with_reference():
   check_against_reference(problem, out, lse, "default")
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+@pytest.mark.parametrize("paged,window", [(False, None), (False, (9, 0)),
+                                          (True, None)])
+def test_xla_decode_default_chunking_on_every_platform(platform, paged,
+                                                       window):
+  """The xla decode backend chooses its chunks for the platform the call
+  is traced for (few large steps on GPUs and TPUs, cache-sized chunks on
+  a CPU, both within max_logits_elements), slicing a contiguous cache
+  that the chunks cut exactly; traced for each platform here (the xla
+  program runs anywhere), every plan matches the reference."""
+  from jflash.core.splits import make_plan  # pylint: disable=import-outside-toplevel
+  rng = fresh_rng()
+  problem = make_problem(rng, batch=4, num_new=2, heads=(4, 2),
+                         capacity=256, window=window,
+                         page_size=8 if paged else None)
+  for config in (DecodeConfig(), DecodeConfig(max_logits_elements=4096)):
+    with jflash.lowering_for(platform):
+      out, lse = problem.decode(paged, XlaDecodeBackend(config))
+    check_against_reference(problem, out, lse, f"{platform} {config}")
+  call = dataclasses.replace(
+      jflash.decode._canonical_call(problem.query, problem.key, problem.value,
+                                    problem.lengths, None, None, window,
+                                    None), platform=platform)
+  small = make_plan(call, DecodeConfig(max_logits_elements=4096))
+  # B * splits * (N * T + 2 * K * H) elements a slot: 4 * 2 * (8 + 64).
+  assert small.chunk * 4 * small.num_splits * 72 <= max(4096, 8 * 576)
+  whole = make_plan(call, DecodeConfig())
+  assert whole.per_split == 1 or window is not None
+
+
 def test_reruns_are_bitwise_identical():
   """No atomics and a fixed merge order: a compiled call gives the same bits
   on every run (split results are merged in split order)."""

@@ -27,29 +27,35 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Tiling of the decode backends (``xla``, and ``mosaic_tpu`` where its
-  grid steps read one page each).
+  grid steps read one chunk each).
 
   Attributes:
     chunk_size: cache slots per chunk (a paged cache rounds it down to a
-      whole number of pages, at least one).
+      whole number of pages, at least one); None (the ``xla`` default):
+      one chunk per split, as long as ``max_logits_elements`` allows, so
+      that each split is a few large operations rather than a loop of
+      small ones.
     num_splits: how many runs of chunks are computed independently and
       merged; None picks ``ceil(parallelism / (B * K))``, so that the
       ``B * K * num_splits`` independent tiles fill ``parallelism`` workers
       even for a batch of one (capped by the chunks to visit).
-    parallelism: the workers that ``num_splits=None`` fills.  Every split
-      holds one gathered chunk at a time, ``B * C * K * H`` values each.
+    parallelism: the workers that ``num_splits=None`` fills.
+    max_logits_elements: with ``chunk_size=None``, the most elements one
+      step holds: logits and the chunk's keys and values, all splits at
+      once; it bounds the memory of long caches.
     matmul_inputs: ``"auto"`` (bfloat16/float16 operands with float32
       accumulation, float32 at ``Precision.HIGHEST``) or ``"float32"``.
   """
 
-  chunk_size: int = 256
+  chunk_size: int | None = None
   num_splits: int | None = None
   parallelism: int = 16
+  max_logits_elements: int = 1 << 24
   matmul_inputs: str = "auto"
 
   def __post_init__(self):
-    check_config(self, ("chunk_size", "parallelism"),
-                 optional=("num_splits",))
+    check_config(self, ("parallelism", "max_logits_elements"),
+                 optional=("chunk_size", "num_splits"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,20 +70,58 @@ class SplitPlan:
   matmul_dtype: np.dtype
 
 
+def _splits(call: DecodeCall, config: DecodeConfig) -> int:
+  batch, kv_heads = call.query.shape[0], call.key.shape[2]
+  if config.num_splits is not None:
+    return config.num_splits
+  return -(-config.parallelism // max(1, batch * kv_heads))
+
+
+CPU_CHUNK = 256
+"""Slots per chunk on a CPU for calls with many slots (``B * span >
+CPU_WHOLE_SLOTS``): a chunk's keys and values stay in the cache there, and
+a loop of small steps costs the CPU little."""
+CPU_WHOLE_SLOTS = 16384
+
+
+def _whole_chunks(call: DecodeCall, config: DecodeConfig) -> int:
+  """``chunk_size=None``: as few steps as ``max_logits_elements`` allows
+  (one per split when the cache is short): on GPUs and TPUs a loop of
+  small steps costs a launch each.  The step holds the logits and the
+  chunk's keys and values of every split, ``B * splits * (N * T + 2 * K *
+  H)`` elements a slot.  Chunks that cut the span exactly into ``splits *
+  steps`` are preferred (a contiguous cache is then sliced, not gathered).
+  A multiple of 8 slots, of the page size when paged."""
+  batch, num_new, num_heads, head_dim = call.query.shape
+  kv_heads = call.key.shape[2]
+  span = max(1, tiles.decode_max_chunks(num_new, call.capacity, 1,
+                                        call.window))
+  unit = call.page_size if call.paged else 8
+  if call.target().platform == "cpu" and batch * span > CPU_WHOLE_SLOTS:
+    return max(unit, CPU_CHUNK // unit * unit)
+  splits = max(1, min(_splits(call, config), -(-span // unit)))
+  per_slot = batch * splits * (num_heads * num_new + 2 * kv_heads * head_dim)
+  limit = max(unit, config.max_logits_elements // max(1, per_slot))
+  steps = -(-span // (splits * limit))
+  for exact in range(steps, 2 * steps + 1):
+    cut = splits * exact
+    if span % cut == 0 and (span // cut) % unit == 0:
+      return span // cut
+  return -(-(-(-span // (splits * steps))) // unit) * unit
+
+
 def make_plan(call: DecodeCall, config: DecodeConfig) -> SplitPlan:
   """Chunking and splitting for one call's shapes."""
-  batch, num_new, _, _ = call.query.shape
-  kv_heads = call.key.shape[2]
+  num_new = call.query.shape[1]
+  size = (config.chunk_size if config.chunk_size is not None
+          else _whole_chunks(call, config))
   if call.paged:
-    chunk = call.page_size * max(1, config.chunk_size // call.page_size)
+    chunk = call.page_size * max(1, size // call.page_size)
   else:
-    chunk = max(1, min(config.chunk_size, call.capacity))
+    chunk = max(1, min(size, call.capacity))
   num_chunks = tiles.decode_max_chunks(num_new, call.capacity, chunk,
                                        call.window)
-  splits = config.num_splits
-  if splits is None:
-    splits = -(-config.parallelism // max(1, batch * kv_heads))
-  splits = max(1, min(splits, num_chunks))
+  splits = max(1, min(_splits(call, config), num_chunks))
   per_split = -(-num_chunks // splits) if num_chunks else 0
   splits = -(-num_chunks // per_split) if per_split else 1
   compute = np.dtype(jnp.promote_types(call.dtype, jnp.float32))

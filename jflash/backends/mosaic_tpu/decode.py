@@ -213,7 +213,8 @@ class MosaicTpuDecodeBackend:
   without ``interpret``, float64, and float16 on a TPU (Mosaic has no
   float16 vector loads there, and converting the cache first would read it
   twice: ``xla`` serves it).  One grid step reads one page of a
-  paged cache, or ``config.chunk_size`` slots of a contiguous one;
+  paged cache, or ``config.chunk_size`` slots of a contiguous one (128
+  when None);
   ``config.num_splits`` / ``parallelism`` split the key range and
   ``config.matmul_inputs`` picks the product operands as in the ``xla``
   decode backend.
@@ -221,6 +222,12 @@ class MosaicTpuDecodeBackend:
 
   config: DecodeConfig = DecodeConfig(chunk_size=128)
   name: str = "mosaic_tpu"
+
+  @property
+  def _chunk_size(self) -> int:
+    """Slots per grid step of a contiguous cache: one sublane-aligned block
+    the pipeline double-buffers."""
+    return self.config.chunk_size or 128
 
   def __call__(self, call: DecodeCall) -> tuple[Array, Array]:
     if call.dtype not in _DTYPES:
@@ -239,7 +246,7 @@ class MosaicTpuDecodeBackend:
             "(Mosaic has no float16 vector loads); the 'xla' decode "
             "backend serves float16")
       self._check_tpu_blocks(call)
-    chunk_size = call.page_size if call.paged else self.config.chunk_size
+    chunk_size = call.page_size if call.paged else self._chunk_size
     plan = make_plan(call, dataclasses.replace(self.config,
                                                chunk_size=chunk_size))
     batch, num_new, num_heads, _ = call.query.shape
@@ -282,7 +289,7 @@ class MosaicTpuDecodeBackend:
       raise NotImplementedError(
           f"{self.name} decode on a TPU needs the head dim to be a multiple "
           f"of {LANES} with several key/value heads, got H={head_dim}")
-    chunk = min(self.config.chunk_size, call.capacity)
+    chunk = min(self._chunk_size, call.capacity)
     if not call.paged and chunk % SUBLANES and chunk != call.capacity:
       raise NotImplementedError(
           f"{self.name} decode on a TPU needs chunk_size={chunk} to be a "
