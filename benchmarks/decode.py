@@ -8,11 +8,13 @@ implementation) reports its time, that bandwidth and its share of the
 device's copy bandwidth, measured once at the start of the same run as
 ``y = x + 1`` over a 2 GiB buffer (read and written: twice its bytes).
 
-The grid: ``B`` in {1, 8, 64}, ``S`` in {4096, 32768, 131072} cache slots
-(all valid: ``lengths = S``), ``N=32``, ``K=8``, ``H=128``, bfloat16, one
-new token (``T=1``) and a speculative draft (``T=8``, causal within the new
-block), contiguous ``[B, S, K, H]`` and paged caches (64-slot pages in a
-random order).  ``T=1`` cells come first so that a run cut short by
+The grid: ``B`` in {1, 8, 64}, ``S`` in {4096, 32768, 131072} cache slots,
+every slot valid (``lengths = S``) or, from ``B=8``, ragged (each length
+drawn uniformly from ``[S/8, S]``, a serving batch; bytes counted over the
+valid slots only), ``N=32``, ``K=8``, ``H=128``, bfloat16, one new token
+(``T=1``) and a speculative draft (``T=8``, causal within the new block),
+contiguous ``[B, S, K, H]`` and paged caches (64-slot pages in a random
+order).  ``T=1`` cells come first so that a run cut short by
 ``--time-budget`` has them all.
 
 Implementations (``--impls``, see ``benchmarks/decode_impls.py``):
@@ -86,11 +88,13 @@ device memory (the rest is for outputs and work space)."""
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-  """One decode problem: ``B`` sequences of ``S`` valid cache slots each,
-  ``T`` new tokens, ``N`` query and ``K`` key/value heads of dim ``H``."""
+  """One decode problem: ``B`` sequences in a cache of ``S`` slots each,
+  ``T`` new tokens, ``N`` query and ``K`` key/value heads of dim ``H``;
+  every slot valid, or (``ragged``) each sequence's length drawn
+  uniformly from ``[S / 8, S]``, as in a serving batch."""
 
   batch: int
-  context: int        # S: valid slots per sequence after the append
+  context: int        # S: cache slots per sequence
   num_new: int        # T
   heads: int = 32     # N
   kv_heads: int = 8   # K
@@ -98,6 +102,7 @@ class Cell:
   page_size: int | None = None  # None: a contiguous cache
   window: int | None = None     # left window; jflash columns only
   dtype: str = "bfloat16"
+  ragged: bool = False
 
   @property
   def layout(self) -> str:
@@ -106,15 +111,27 @@ class Cell:
   @property
   def label(self) -> str:
     text = f"B={self.batch} S={self.context} T={self.num_new} {self.layout}"
+    if self.ragged:
+      text += " ragged"
     return text if self.window is None else f"{text} w={self.window}"
+
+  def lengths(self) -> np.ndarray:
+    """int32 ``[B]``: valid slots per sequence after the append (the same
+    draw for a cell every time)."""
+    if not self.ragged:
+      return np.full((self.batch,), self.context, np.int32)
+    rng = np.random.default_rng(
+        [self.batch, self.context, self.num_new, self.heads, self.kv_heads])
+    low = max(self.num_new, self.context // 8)
+    return rng.integers(low, self.context + 1, self.batch).astype(np.int32)
 
   @property
   def slots_read(self) -> int:
-    """Cache slots whose keys some new token sees, over the batch."""
-    per_sequence = self.context
+    """Valid cache slots whose keys some new token sees, over the batch."""
+    lengths = self.lengths().astype(np.int64)
     if self.window is not None:
-      per_sequence = min(self.context, self.window + self.num_new)
-    return self.batch * per_sequence
+      lengths = np.minimum(lengths, self.window + self.num_new)
+    return int(lengths.sum())
 
   @property
   def bytes_read(self) -> int:
@@ -138,9 +155,11 @@ def grid(small: bool) -> list[Cell]:
     return [Cell(batch=b, context=64, num_new=t, heads=4, kv_heads=2,
                  head_dim=32, page_size=p, dtype="float32")
             for t, b, p in itertools.product((1, 4), (1, 2), (None, 16))]
-  return [Cell(batch=b, context=s, num_new=t, page_size=p)
-          for t, b, s, p in itertools.product(
-              (1, 8), (1, 8, 64), (4096, 32768, 131072), (None, 64))]
+  return [Cell(batch=b, context=s, num_new=t, page_size=p, ragged=r)
+          for t, r, b, s, p in itertools.product(
+              (1, 8), (False, True), (1, 8, 64), (4096, 32768, 131072),
+              (None, 64))
+          if not (r and b == 1)]  # one sequence is never ragged
 
 
 _FILTER_KEYS = {"B": "batch", "S": "context", "T": "num_new", "N": "heads",
@@ -150,21 +169,25 @@ _FILTER_KEYS = {"B": "batch", "S": "context", "T": "num_new", "N": "heads",
 def _filter_value(cell: Cell, key: str) -> str:
   if key == "layout":
     return "contig" if cell.page_size is None else "paged"
+  if key == "lengths":
+    return "ragged" if cell.ragged else "full"
   return str(getattr(cell, _FILTER_KEYS[key]))
 
 
 def filter_cells(cells: list[Cell], expr: str | None) -> list[Cell]:
   """Cells matching ``expr``: comma-separated ``key=value`` terms (keys B,
-  S, T, N, K, H, page, layout = contig|paged).  Terms on one key are
+  S, T, N, K, H, page, layout = contig|paged, lengths = full|ragged).  Terms on one key are
   alternatives, different keys must all match: ``B=1,B=8,S=4096``."""
   if not expr:
     return list(cells)
   wanted: dict[str, set[str]] = {}
   for term in filter(None, (t.strip() for t in expr.split(","))):
     key, sep, value = term.partition("=")
-    if not sep or (key not in _FILTER_KEYS and key != "layout"):
+    if not sep or (key not in _FILTER_KEYS
+                   and key not in ("layout", "lengths")):
       raise ValueError(f"--cells: expected key=value terms with keys "
-                       f"{sorted(_FILTER_KEYS) + ['layout']}, got {term!r}")
+                       f"{sorted(_FILTER_KEYS) + ['layout', 'lengths']}, "
+                       f"got {term!r}")
     wanted.setdefault(key, set()).add(value.strip())
   return [c for c in cells
           if all(_filter_value(c, k) in v for k, v in wanted.items())]
@@ -229,7 +252,7 @@ def make_inputs(cell: Cell, key: jax.Array, count: int) -> list[tuple]:
   cache's pool holds ``B * max_pages`` pages, in a random order."""
   dtype = jnp.dtype(cell.dtype)
   q_shape = (cell.batch, cell.num_new, cell.heads, cell.head_dim)
-  lengths = jnp.full((cell.batch,), cell.context, jnp.int32)
+  lengths = jnp.asarray(cell.lengths())
   table, table_key = None, jax.random.fold_in(key, count)
   if cell.page_size is None:
     cache_shape = (cell.batch, cell.context, cell.kv_heads, cell.head_dim)

@@ -3,6 +3,7 @@ small grid's rows and their bandwidth arithmetic, the peers' wiring (Pallas
 in interpret mode) and the check that keeps a wrong result from being
 timed."""
 
+import dataclasses
 import json
 import math
 
@@ -40,10 +41,12 @@ def test_bytes_read_count_the_visible_slots_of_keys_and_values():
 
 def test_full_grid_is_the_issues_grid_with_one_token_first():
   cells = decode.grid(small=False)
-  assert len(cells) == 3 * 3 * 2 * 2
-  assert {(c.batch, c.context, c.num_new, c.page_size) for c in cells} == {
-      (b, s, t, p) for b in (1, 8, 64) for s in (4096, 32768, 131072)
-      for t in (1, 8) for p in (None, 64)}
+  assert len(cells) == 3 * 3 * 2 * 2 + 2 * 3 * 2 * 2
+  assert {(c.batch, c.context, c.num_new, c.page_size, c.ragged)
+          for c in cells} == {
+      (b, s, t, p, r) for b in (1, 8, 64) for s in (4096, 32768, 131072)
+      for t in (1, 8) for p in (None, 64) for r in (False, True)
+      if not (r and b == 1)}
   assert all((c.heads, c.kv_heads, c.head_dim, c.dtype)
              == (32, 8, 128, "bfloat16") for c in cells)
   first_t8 = [c.num_new for c in cells].index(8)
@@ -55,12 +58,29 @@ def test_full_grid_is_the_issues_grid_with_one_token_first():
 
 def test_cell_filter():
   cells = decode.filter_cells(decode.grid(small=False),
-                              "B=1,B=8,S=4096,layout=paged")
+                              "B=1,B=8,S=4096,layout=paged,lengths=full")
   assert sorted((c.batch, c.num_new) for c in cells) == [
       (1, 1), (1, 8), (8, 1), (8, 8)]
   assert all(c.context == 4096 and c.page_size == 64 for c in cells)
   with pytest.raises(ValueError, match="--cells"):
     decode.filter_cells(decode.grid(small=False), "Q=3")
+  ragged = decode.filter_cells(decode.grid(small=False), "lengths=ragged")
+  assert ragged and all(c.ragged and c.batch > 1 for c in ragged)
+
+
+def test_ragged_lengths_and_the_bytes_of_valid_slots():
+  """A ragged cell's lengths are drawn once per cell, uniformly from [S/8,
+  S], and its bytes count the valid slots only."""
+  cell = decode.Cell(batch=64, context=4096, num_new=1, kv_heads=8,
+                     head_dim=128, ragged=True)
+  lengths = cell.lengths()
+  assert lengths.dtype == "int32" and lengths.shape == (64,)
+  assert (lengths == cell.lengths()).all()
+  assert lengths.min() >= 512 and lengths.max() <= 4096
+  assert len(set(lengths.tolist())) > 32  # drawn, not constant
+  assert cell.bytes_read == 2 * int(lengths.sum()) * 8 * 128 * 2
+  full = dataclasses.replace(cell, ragged=False)
+  assert (full.lengths() == 4096).all() and full.bytes_read > cell.bytes_read
 
 
 def test_small_grid_rows_and_bandwidth_arithmetic(tmp_path):
