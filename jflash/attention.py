@@ -15,7 +15,8 @@ from jax import lax
 from jflash.core import dispatch, registry
 from jflash.core.call import AttentionCall
 from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
-                                canonical_scale, canonical_sinks,
+                                canonical_alibi_slopes, canonical_scale,
+                                canonical_sinks,
                                 canonical_soft_cap,
                                 canonical_window, check_floating,
                                 compute_dtype, describe, fits_int32,
@@ -217,7 +218,7 @@ def _shards(parallel: ContextParallel | None) -> int:
 
 def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                   query_seq_lengths, key_value_seq_lengths, local_window_size,
-                  segment_ids, logits_soft_cap,
+                  segment_ids, logits_soft_cap, alibi_slopes=None,
                   return_residual=False,
                   interpret=False,
                   shards: int = 1) -> tuple[AttentionCall, bool]:
@@ -294,8 +295,11 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
       has_offsets=shards > 1)
   return_residual = bool_flag(return_residual, "return_residual")
   interpret = bool_flag(interpret, "interpret")
+  slopes = canonical_alibi_slopes(alibi_slopes, batch, num_heads,
+                                  query.dtype, unbatched)
   call = AttentionCall(query, key, value, bias, attention_mask,
                        scale=scale_value, logits_soft_cap=cap,
+                       alibi_slopes=slopes,
                        returns_residual=bool(return_residual),
                        interpret=bool(interpret))
   return call, unbatched
@@ -315,6 +319,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
     attention_sinks: ArrayLike | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
@@ -351,6 +356,12 @@ def dot_product_attention(
       exactly (64-bit ids are renumbered, never truncated).
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
+    alibi_slopes: floating ``[N]`` or ``[B, N]``: ALiBi (BLOOM, MPT), a
+      penalty ``-slope[n] * |t - s|`` added to head ``n``'s logits after
+      the soft cap, at the positions ``is_causal`` uses (top-left aligned
+      when ``T != S``; global positions under context parallelism).
+      :func:`jflash.alibi_slopes` gives the standard slopes.  Constants:
+      no derivative is taken with respect to them.
     attention_sinks: floating ``[N]``, one logit per query head that joins
       every row's softmax denominator and carries no value (gpt-oss,
       streaming LLMs): a row's weights are ``exp(l_s) / (sum_s exp(l_s) +
@@ -390,7 +401,8 @@ def dot_product_attention(
     ``out [B, T, N, H]`` in the query dtype, or ``(out, logsumexp [B, T, N])``
     with ``return_residual=True``.  The logsumexp is of the scaled, biased,
     capped and masked logits, in the query dtype as in ``jax.nn``; unlike
-    ``jax.nn`` it is differentiable.
+    ``jax.nn`` it is differentiable.  It includes the ALiBi penalty and
+    the sinks.
 
   Raises:
     ValueError: an argument is invalid; the message names it.
@@ -403,8 +415,9 @@ def dot_product_attention(
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
-      logits_soft_cap=logits_soft_cap, return_residual=return_residual,
-      interpret=interpret, shards=_shards(parallel))
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+      return_residual=return_residual, interpret=interpret,
+      shards=_shards(parallel))
   call, sinks = _with_sinks(call, attention_sinks)
   request = dispatch.parse_request(implementation)
   if _is_empty(call):
@@ -477,6 +490,7 @@ def selected_implementation(
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
     attention_sinks: ArrayLike | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
@@ -520,8 +534,9 @@ def selected_implementation(
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, return_residual=return_residual,
-        interpret=interpret, shards=_shards(parallel))
+        logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+        return_residual=return_residual, interpret=interpret,
+        shards=_shards(parallel))
     call, _ = _with_sinks(call, attention_sinks)
     if _is_empty(call):
       chosen.append(_EMPTY_RESULT_BACKEND)

@@ -32,7 +32,7 @@ from jflash.core.call import DecodeCall
 from jflash.core.sinks import apply_sinks
 from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
                                 canonical_scale, canonical_sinks,
-                                canonical_soft_cap,
+                                canonical_alibi_slopes, canonical_soft_cap,
                                 canonical_window, check_floating,
                                 compute_dtype, describe, integers, to_int32)
 
@@ -107,7 +107,8 @@ def _check_cache(query: Array, key: Array, value: Array,
 
 
 def _canonical_call(query, key_cache, value_cache, lengths, block_table,
-                    scale, local_window_size, logits_soft_cap) -> DecodeCall:
+                    scale, local_window_size, logits_soft_cap,
+                    alibi_slopes=None) -> DecodeCall:
   """Validates every argument of :func:`decode_attention`."""
   query = _floating(query, "query", "[B, T, N, H]")
   batch, num_new, _, head_dim = query.shape
@@ -136,7 +137,9 @@ def _canonical_call(query, key_cache, value_cache, lengths, block_table,
                     scale=scale_value,
                     logits_soft_cap=canonical_soft_cap(logits_soft_cap,
                                                        scale_value, dtype),
-                    window=canonical_window(local_window_size))
+                    window=canonical_window(local_window_size),
+                    alibi_slopes=canonical_alibi_slopes(
+                        alibi_slopes, batch, query.shape[2], query.dtype))
 
 
 # ------------------------------------------------------------------- public
@@ -150,6 +153,7 @@ def decode_attention(
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: ArrayLike | None = None,
     attention_sinks: ArrayLike | None = None,
     implementation: str | Sequence[str] | Any | None = None,
     return_residual: bool = False,
@@ -190,6 +194,10 @@ def decode_attention(
       read.
     logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
       scaling.
+    alibi_slopes: floating ``[N]`` or ``[B, N]``: ALiBi's ``-slope[n] * (p
+      - s)`` added to head ``n``'s logit of the token at position ``p`` for
+      slot ``s``, after the soft cap (as in
+      :func:`jflash.dot_product_attention`).
     attention_sinks: floating ``[N]``: one logit per query head in every
       row's softmax denominator, with no value (as in
       :func:`jflash.dot_product_attention`); the logsumexp returned
@@ -223,7 +231,8 @@ def decode_attention(
     NotImplementedError: no requested backend serves the call.
   """
   call = _canonical_call(query, key_cache, value_cache, lengths, block_table,
-                         scale, local_window_size, logits_soft_cap)
+                         scale, local_window_size, logits_soft_cap,
+                         alibi_slopes)
   request = dispatch.parse_request(implementation, decode=True)
   return_residual = bool_flag(return_residual, "return_residual")
   call = dataclasses.replace(call, interpret=bool_flag(interpret, "interpret"))

@@ -26,6 +26,7 @@ def reference_attention(
     *,
     scale: float,
     logits_soft_cap: float | None = None,
+    alibi_slopes: Array | None = None,
     attention_sinks: Array | None = None,
     compute_dtype=None,
 ) -> tuple[Array, Array]:
@@ -39,6 +40,8 @@ def reference_attention(
     scale: multiplies ``query . key``.
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
+    alibi_slopes: ``[N]``, ``[B|1, N]`` or None: ``-slope * |t - s|`` at
+      the mask's global positions, added after the soft cap.
     attention_sinks: ``[N]`` or None: one more logit per row of head ``n``,
       always visible, whose value is zero (a column of the softmax that
       no key occupies).
@@ -62,6 +65,11 @@ def reference_attention(
     logits = logits + bias.astype(compute_dtype)
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+  if alibi_slopes is not None:
+    slopes = jnp.asarray(alibi_slopes, compute_dtype).reshape(-1, num_heads)
+    t = jnp.arange(q_len)[:, None] + mask.diagonal_shift()
+    distance = jnp.abs(t - jnp.arange(k.shape[1])[None, :])
+    logits = logits - slopes[:, :, None, None] * distance.astype(compute_dtype)
   visible = mask.visibility()
   logits = jnp.where(visible, logits, -jnp.inf)
   if attention_sinks is not None:

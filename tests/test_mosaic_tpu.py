@@ -93,7 +93,7 @@ def _computed_tiles(monkeypatch, call) -> dict[str, np.ndarray]:
   monkeypatch.setattr(common, "when_visited", counting_when_visited)
   plan = SMALL.plan(call)
   q, k, v = call.query, call.key, call.value
-  out, vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, call.mask, plan),
+  out, vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, call.mask, None, plan),
                      q, k, v)
   jax.block_until_ready(out)
   jax.effects_barrier()

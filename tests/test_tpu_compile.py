@@ -121,6 +121,13 @@ CASES = (
          (("segments", True), ("logits_soft_cap", 30.0))),
     Case("cross-mqa-bf16-h96", 1000, 1536, 8, 1, 96, "bfloat16",
          (("lengths", True), ("local_window_size", (300, 200)))),
+    # ALiBi: standard slopes as constants, and per-batch slopes as an
+    # operand together with offsets-free lengths.
+    Case("alibi-causal-bf16-h128-gqa", 1024, 1024, 8, 2, 128, "bfloat16",
+         (("is_causal", True), ("alibi", "heads"))),
+    Case("alibi-window-f32-h64", 1000, 1000, 4, 4, 64, "float32",
+         (("local_window_size", (255, 255)), ("alibi", "batch"),
+          ("lengths", True))),
     Case("long-causal-bf16-h128", 2048, 131072, 4, 1, 128, "bfloat16",
          (("is_causal", False), ("lengths", True)), grad=False, batch=1),
 )
@@ -130,6 +137,7 @@ def _attention_fn(case: Case):
   kwargs = dict(case.kwargs)
   lengths = kwargs.pop("lengths", False)
   segments = kwargs.pop("segments", False)
+  alibi = kwargs.pop("alibi", None)
 
   def attend(q, k, v, *extra):
     extra = list(extra)
@@ -140,6 +148,10 @@ def _attention_fn(case: Case):
       kwargs_ = dict(kwargs)
     if segments:
       kwargs_["segment_ids"] = (extra.pop(0), extra.pop(0))
+    if alibi == "heads":
+      kwargs_["alibi_slopes"] = jflash.alibi_slopes(case.heads)
+    elif alibi == "batch":
+      kwargs_["alibi_slopes"] = extra.pop(0)
     return jflash.dot_product_attention(q, k, v, **kwargs_)
 
   def extra_specs(generation):
@@ -149,6 +161,8 @@ def _attention_fn(case: Case):
     if segments:
       out += [_int_spec(generation, (case.batch, case.t)),
               _int_spec(generation, (case.batch, case.s))]
+    if alibi == "batch":
+      out.append(_spec(generation, (case.batch, case.heads), jnp.float32))
     return tuple(out)
 
   if not case.grad:
@@ -179,7 +193,8 @@ def test_attention_kernels_compile(generation, case):
 def test_context_parallel_blocks_compile(generation, strategy):
   """A sequence sharded over 4 chips: each chip's blocks at their global
   offsets run the TPU kernels (forward and both backward kernels per
-  block), with the collectives of the strategy."""
+  block, ALiBi at global positions), with the collectives of the
+  strategy."""
   mesh = jax.sharding.Mesh(np.array(_devices(generation)[:4]), ("c",),
                            axis_types=(jax.sharding.AxisType.Explicit,))
   spec = _spec(generation, (1, 4096, 8, 128), jnp.bfloat16, mesh,
@@ -190,6 +205,7 @@ def test_context_parallel_blocks_compile(generation, strategy):
     def loss(q, k, v):
       return jflash.dot_product_attention(
           q, k, v, is_causal=True, local_window_size=(1500, 0),
+          alibi_slopes=jflash.alibi_slopes(8),
           context_parallel=parallel).astype(jnp.float32).sum()
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jflash.core.platform import Target, target
 from jflash.masks import AttentionMask
@@ -41,6 +42,9 @@ class AttentionCall:
     scale: multiplies ``query . key`` before the bias is added.
     logits_soft_cap: ``cap * tanh(logits / cap)`` after scale and bias, or
       None.
+    alibi_slopes: ``[B|1, N]`` in the softmax's dtype, or None: ALiBi's
+      ``-slope * |distance|`` added after the soft cap at the mask's
+      positions (:mod:`jflash.core.alibi`); constants, never differentiated.
     returns_residual: the caller asked for the logsumexp (which must then be
       differentiable).
     interpret: run Pallas kernels through the Pallas interpreter (on the
@@ -63,6 +67,7 @@ class AttentionCall:
   mask: AttentionMask
   scale: float
   logits_soft_cap: float | None
+  alibi_slopes: Array | None = None
   returns_residual: bool = False
   interpret: bool = False
   platform: str | None = None
@@ -82,6 +87,36 @@ class AttentionCall:
   @property
   def shape_description(self) -> str:
     return describe_shapes(self.query, self.key, f"S={self.key.shape[1]}")
+
+  def arrays(self) -> tuple:
+    """The call's arrays as one pytree, ``(query, key, value, bias, mask,
+    alibi_slopes)``: the operands of a primitive or a ``shard_map`` that
+    carries the call (see :meth:`with_arrays`)."""
+    return (self.query, self.key, self.value, self.bias, self.mask,
+            self.alibi_slopes)
+
+  def with_arrays(self, arrays: tuple) -> "AttentionCall":
+    """The call with :meth:`arrays` replaced."""
+    q, k, v, bias, mask, slopes = arrays
+    return dataclasses.replace(self, query=q, key=k, value=v, bias=bias,
+                               mask=mask, alibi_slopes=slopes)
+
+  def flatten(self) -> tuple[list, tuple[bool, ...], Any]:
+    """``(leaves, differentiated, rebuild)``: the leaves of
+    :meth:`arrays`, whether each is differentiated (the floating inputs;
+    never the mask's integers or the constant ALiBi slopes), and the
+    function from a list of leaves to the call holding them."""
+    arrays = self.arrays()
+    leaves, tree = jax.tree.flatten(arrays)
+    flags = []
+    for entry, differentiable in zip(arrays, (True,) * 4 + (False, False)):
+      flags += [differentiable and bool(jnp.issubdtype(jnp.result_type(x),
+                                                       jnp.inexact))
+                for x in jax.tree.leaves(entry)]
+    # The function keeps the call's static part only, not its arrays.
+    bare = self.with_arrays((None,) * len(arrays))
+    return (leaves, tuple(flags),
+            lambda leaves: bare.with_arrays(jax.tree.unflatten(tree, leaves)))
 
 
 def describe_shapes(query: Array, key: Array, keys: str) -> str:
@@ -183,6 +218,9 @@ class DecodeCall:
       CPU); a backend without kernels (``xla``) is unaffected.
     platform, device_kind: what the call is traced for, as in
       :class:`AttentionCall`.
+    alibi_slopes: ``[B|1, N]`` in the softmax's dtype, or None: ALiBi's
+      ``-slope * |p - s|`` for the query at position ``p`` and cache slot
+      ``s``, after the soft cap (:mod:`jflash.core.alibi`).
   """
 
   query: Array
@@ -201,6 +239,7 @@ class DecodeCall:
                                            metadata=dict(static=True))
   device_kind: str = dataclasses.field(default="",
                                        metadata=dict(static=True))
+  alibi_slopes: Array | None = None
 
   def target(self) -> Target:
     """The platform and device this call is traced for."""

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jflash.core import alibi
+
 Array = jax.Array
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -276,3 +278,24 @@ def canonical_sinks(x: Any, num_heads: int, dtype: Any) -> Array | None:
     raise ValueError(f"attention_sinks must have shape [N] = ({num_heads},) "
                      f"(one logit per query head), got {describe(x)}")
   return sinks.astype(compute_dtype(dtype))
+
+
+def canonical_alibi_slopes(x: Any, batch: int, num_heads: int, dtype: Any,
+                           unbatched: bool = False) -> Array | None:
+  """``alibi_slopes``: floating ``[N]`` (every batch row) or ``[B, N]``, as
+  a ``[B|1, N]`` array of the softmax's dtype (float32, float64 for
+  float64 inputs), held constant (:func:`jflash.core.alibi.constant`);
+  None stays None.  ``unbatched``: the call's inputs were ``[T, N, H]``,
+  so only ``[N]`` fits."""
+  if x is None:
+    return None
+  slopes = as_array(x, "alibi_slopes")
+  check_floating(slopes, "alibi_slopes")
+  shapes = [(num_heads,)] + ([] if unbatched else [(batch, num_heads)])
+  if slopes.shape not in shapes:
+    wanted = " or ".join(
+        f"[{'B, ' if len(s) == 2 else ''}N] = {s}" for s in shapes)
+    raise ValueError(f"alibi_slopes must have shape {wanted} (one slope per "
+                     f"query head), got {describe(x)}")
+  slopes = alibi.constant(slopes.astype(compute_dtype(dtype)))
+  return slopes.reshape((-1, num_heads))

@@ -68,17 +68,11 @@ def differentiable(call: AttentionCall, serve: Serve,
       (evaluating them raises ``NotImplementedError`` with ``unavailable``
       as the reason).
   """
-  leaves, tree = jax.tree.flatten(
-      (call.query, call.key, call.value, call.bias, call.mask))
+  leaves, diff, rebuild = call.flatten()
   if not any(isinstance(x, jax.core.Tracer) for x in leaves):
     # No transformation applies to concrete inputs.
     return (value or serve)(call)
-  diff = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
-               for x in leaves)
-  # The rules keep the call's static part only; its arrays are operands.
-  static = dataclasses.replace(call, query=None, key=None, value=None,
-                               bias=None, mask=None)
-  return _Derivatives(static, tree, diff, serve, value or serve, xla,
+  return _Derivatives(rebuild, diff, serve, value or serve, xla,
                       unavailable).top(leaves)
 
 
@@ -124,7 +118,7 @@ class _Layout:
 @dataclasses.dataclass(eq=False)
 class _Derivatives:
   """The differentiable functions of one call's leaves (query, key, value,
-  bias and the mask's arrays), each a ``jflash_attention_call``:
+  bias, the mask's arrays and the ALiBi slopes), each a ``jflash_attention_call``:
 
   * :meth:`top`: ``(out, lse)``, served;
   * :meth:`forward`: ``(out, lse, *saved)``, the served forward pass with
@@ -136,8 +130,7 @@ class _Derivatives:
   ``(outputs, tangents)``.
   """
 
-  call: AttentionCall  # without its arrays
-  tree: Any  # of (query, key, value, bias, mask)
+  rebuild: Callable[[Sequence[Array]], AttentionCall]  # leaves -> call
   diff: tuple[bool, ...]  # which leaves are differentiated
   serve: Serve
   value: Serve
@@ -145,11 +138,6 @@ class _Derivatives:
   unavailable: str
 
   # ------------------------------------------------------------ helpers
-  def rebuild(self, leaves: Sequence[Array]) -> AttentionCall:
-    q, k, v, bias, mask = jax.tree.unflatten(self.tree, leaves)
-    return dataclasses.replace(self.call, query=q, key=k, value=v,
-                               bias=bias, mask=mask)
-
   def of_diff(self, fn: Callable[[AttentionCall], Any],
               leaves: Sequence[Array]) -> Callable:
     """``fn`` of the call as a function of the differentiated leaves, the

@@ -161,19 +161,15 @@ def first_that_serves(call: Call, backends: Sequence[Backend]
       + "\n  ".join(reasons))
 
 
-def _leaves(call: Call) -> tuple[list, Callable[[list], Call]]:
-  """A call's arrays as a flat list, and the function rebuilding it."""
+def _leaves(call: Call) -> tuple[list, tuple[bool, ...],
+                                  Callable[[list], Call]]:
+  """A call's arrays as a flat list, whether each is differentiated, and
+  the function rebuilding the call."""
   if isinstance(call, DecodeCall):
     leaves, tree = jax.tree.flatten(call)
-    return leaves, lambda leaves: jax.tree.unflatten(tree, leaves)
-  arrays = (call.query, call.key, call.value, call.bias, call.mask)
-  leaves, tree = jax.tree.flatten(arrays)
-
-  def rebuild(leaves):
-    q, k, v, bias, mask = jax.tree.unflatten(tree, leaves)
-    return dataclasses.replace(call, query=q, key=k, value=v, bias=bias,
-                               mask=mask)
-  return leaves, rebuild
+    return (leaves, (False,) * len(leaves),
+            lambda leaves: jax.tree.unflatten(tree, leaves))
+  return call.flatten()
 
 
 def _serve_on(call: Call, tgt: Target, request: Request, use: int,
@@ -211,7 +207,7 @@ def _multi_platform(call: Call, request: Mapping, for_training: bool,
   keep = tgt.platform if tgt.platform in targets else next(iter(targets))
 
   def serve(c: Call) -> tuple[Array, Array]:
-    leaves, rebuild = _leaves(c)
+    leaves, diff, rebuild = _leaves(c)
 
     def on(platform: str, use: int):
       return lambda *l: _serve_on(rebuild(list(l)), targets[platform],
@@ -221,7 +217,6 @@ def _multi_platform(call: Call, request: Mapping, for_training: bool,
     if isinstance(c, DecodeCall):
       return tuple(multi_platform.per_platform(
           {p: on(p, 0) for p in targets}, *leaves))
-    diff = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
     return multi_platform.joined({p: (on(p, 0), on(p, 1)) for p in targets},
                                  keep, diff)(*leaves)
   return serve
@@ -360,6 +355,7 @@ def _signature(call: Call, name: str) -> tuple:
     features = tuple(n for n, present in (
         ("paged", call.paged), ("window", call.window is not None),
         ("soft_cap", call.logits_soft_cap is not None),
+        ("alibi", call.alibi_slopes is not None),
         ("interpret", call.interpret)) if present)
     return ("decode", call.shape_description, features, call.platform, name)
   mask = call.mask
@@ -371,6 +367,7 @@ def _signature(call: Call, name: str) -> tuple:
       ("offsets", mask.has_offsets),
       ("mask", mask.dense is not None), ("bias", call.bias is not None),
       ("soft_cap", call.logits_soft_cap is not None),
+      ("alibi", call.alibi_slopes is not None),
       ("residual", call.returns_residual),
       ("interpret", call.interpret)) if present)
   return ("attention", call.shape_description, features, call.platform,

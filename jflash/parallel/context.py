@@ -385,9 +385,9 @@ def attend(call: AttentionCall, backend: Backend, plan: Plan
   plan.validate(call.query.shape[1], call.key.shape[1])
   mask = call.mask
   arrays = (mask.q_lengths, mask.kv_lengths, mask.q_segment_ids,
-            mask.kv_segment_ids)
+            mask.kv_segment_ids, call.alibi_slopes)
   static = dataclasses.replace(call, query=None, key=None, value=None,
-                               mask=dataclasses.replace(
+                               alibi_slopes=None, mask=dataclasses.replace(
                                    mask, q_lengths=None, kv_lengths=None,
                                    q_segment_ids=None, kv_segment_ids=None))
   return _attend(call.query, call.key, call.value, arrays,
@@ -404,11 +404,12 @@ class _Static:
   plan: Plan
 
   def rebuild(self, q, k, v, arrays) -> AttentionCall:
-    q_lengths, kv_lengths, q_ids, kv_ids = arrays
+    q_lengths, kv_lengths, q_ids, kv_ids, slopes = arrays
     mask = dataclasses.replace(self.call.mask, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, q_segment_ids=q_ids,
                                kv_segment_ids=kv_ids)
-    return dataclasses.replace(self.call, query=q, key=k, value=v, mask=mask)
+    return dataclasses.replace(self.call, query=q, key=k, value=v, mask=mask,
+                               alibi_slopes=slopes)
 
   def __hash__(self):
     return id(self)

@@ -74,7 +74,7 @@ def run_sharded(call: AttentionCall, backend: Backend, run: Run,
   if sharding.is_explicitly_sharded(call):
     return sharding.per_shard(call, run, backend.name)
   if (not _devices_to_split(call.platform) or call.bias is not None
-      or call.mask.dense is not None):
+      or call.mask.dense is not None or call.alibi_slopes is not None):
     return run(call)
   mask = call.mask
   names = tuple(n for n in MASK_ARRAYS if getattr(mask, n) is not None)

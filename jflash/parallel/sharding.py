@@ -86,20 +86,26 @@ def per_shard(call: AttentionCall, run: Callable[[AttentionCall],
       if x is not None}
   present_specs = {name: _mask_array_spec(name, b, None) for name in present}
   local_batch = batch // batch_parts
+  slopes = call.alibi_slopes
+  slopes_spec = None if slopes is None else P(
+      b if slopes.shape[0] > 1 else None, h)
 
-  def body(q, k, v, mask_arrays):
+  def body(q, k, v, mask_arrays, slopes):
     local_mask = dataclasses.replace(mask, batch=local_batch, **mask_arrays)
     return run(dataclasses.replace(call, query=q, key=k, value=v,
-                                   mask=local_mask))
+                                   mask=local_mask, alibi_slopes=slopes))
 
   mapped = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(P(*q_spec), P(*k_spec), P(*v_spec), present_specs),
+      in_specs=(P(*q_spec), P(*k_spec), P(*v_spec), present_specs,
+                slopes_spec),
       out_specs=(P(b, None, h, None), P(b, None, h)),
       axis_names=set(batch_axes + head_axes), check_vma=False)
   present = {name: reshard(x, mesh, present_specs[name])
              for name, x in present.items()}
-  return mapped(call.query, call.key, call.value, present)
+  if slopes is not None:
+    slopes = reshard(slopes, mesh, slopes_spec)
+  return mapped(call.query, call.key, call.value, present, slopes)
 
 
 def reshard(x: Array, mesh, spec: P) -> Array:
@@ -170,22 +176,28 @@ def run_sequence_sharded(
       ("q_segment_ids", mask.q_segment_ids),
       ("kv_segment_ids", mask.kv_segment_ids)) if x is not None}
   present_specs = {name: _mask_array_spec(name, b, seq) for name in present}
+  slopes = call.alibi_slopes
+  slopes_spec = None if slopes is None else P(
+      b if slopes.shape[0] > 1 else None, h)
 
-  def body(q, k, v, mask_arrays):
+  def body(q, k, v, mask_arrays, slopes):
     local_mask = dataclasses.replace(
         mask, batch=q.shape[0], q_len=q.shape[1], kv_len=k.shape[1],
         has_offsets=True, **mask_arrays)
     local = dataclasses.replace(call, query=q, key=k, value=v,
-                                mask=local_mask)
+                                mask=local_mask, alibi_slopes=slopes)
     return run_local(local, seq_axes if len(seq_axes) > 1 else seq_axes[0],
                      shards)
 
   axes = set(mesh_axes(b) + seq_axes + mesh_axes(h))
   mapped = jax.shard_map(
-      body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, present_specs),
+      body, mesh=mesh,
+      in_specs=(x_spec, x_spec, x_spec, present_specs, slopes_spec),
       out_specs=(x_spec, P(b, seq, h)), axis_names=axes, check_vma=False)
   q, k, v = (reshard(x, mesh, x_spec)
              for x in (call.query, call.key, call.value))
   present = {name: reshard(x, mesh, present_specs[name])
              for name, x in present.items()}
-  return mapped(q, k, v, present)
+  if slopes is not None:
+    slopes = reshard(slopes, mesh, slopes_spec)
+  return mapped(q, k, v, present, slopes)

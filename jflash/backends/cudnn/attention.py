@@ -50,6 +50,8 @@ class CudnnBackend:
       _decline("segment_ids are not supported")
     if call.logits_soft_cap is not None:
       _decline("logits_soft_cap is not supported")
+    if call.alibi_slopes is not None:
+      _decline("alibi_slopes are not supported through jax.nn")
     if mask.dense is not None:
       _decline("a dense boolean mask is not supported")
     if mask.has_offsets:

@@ -90,6 +90,9 @@ class MosaicGpuBackend:
       _decline(f"head dim {head_dim} is above 256")
     if call.bias is not None:
       _decline("a bias is not supported (the xla backend serves it)")
+    if call.alibi_slopes is not None:
+      _decline("alibi_slopes are not supported yet (the xla backend serves "
+               "them)")
     if call.mask.dense is not None:
       _decline("a dense boolean mask is not supported (use segment_ids, "
                "lengths or windows; the xla backend serves dense masks)")

@@ -42,8 +42,8 @@ class MosaicTpuBackend:
   """Pallas Mosaic TPU kernels.
 
   Serves float32, bfloat16 and float16 (computed by the float32 kernels)
-  with head dims up to 256, causal, windows, lengths, segment ids, GQA/MQA
-  and soft cap, also for masks with query/key offsets (one block of
+  with head dims up to 256, causal, windows, lengths, segment ids, GQA/MQA,
+  soft cap and ALiBi, also for masks with query/key offsets (one block of
   context parallelism, through :meth:`forward` and :meth:`backward` as
   well as the ordinary call).  Declines (``NotImplementedError``): a dense
   ``bias`` or boolean ``mask`` (``xla`` serves them), other dtypes, larger
@@ -73,7 +73,8 @@ class MosaicTpuBackend:
       return (jnp.zeros_like(q),
               jnp.full(q.shape[:-1], -jnp.inf, jnp.float32))
     plan = self.plan(call)
-    return ops.attention(call.query, call.key, call.value, call.mask, plan)
+    return ops.attention(call.query, call.key, call.value, call.mask,
+                         call.alibi_slopes, plan)
 
   def forward(self, call: AttentionCall) -> tuple[Array, Array]:
     """``(out float32, lse)`` without a derivative: one block of a
@@ -83,6 +84,7 @@ class MosaicTpuBackend:
       return self._run(call)
     plan = self.plan(call)
     return ops.run_forward(call.query, call.key, call.value, call.mask,
+                           call.alibi_slopes,
                            common.metadata(call.mask, plan), plan,
                            jnp.float32)
 
@@ -96,6 +98,7 @@ class MosaicTpuBackend:
               jnp.zeros_like(call.value))
     plan = self.plan(call)
     return ops.run_backward(call.query, call.key, call.value, call.mask,
+                            call.alibi_slopes,
                             common.metadata(call.mask, plan), plan, out, lse,
                             d_out, d_lse)
 

@@ -39,7 +39,8 @@ Array = jax.Array
 def _dq_kernel(r: dict, *, plan: Plan):
   """One grid step ``(b, n, i, j)``: step ``j`` of query block ``i``'s key
   block visits (refs by name, see :func:`dq`)."""
-  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  b, n = pl.program_id(0), pl.program_id(1)
+  i, j = pl.program_id(2), pl.program_id(3)
   sb = b if plan.per_batch else 0
   count = r["count"][sb, i]
   kv_block, cls = common.visit_at(r["visits"], r["count"], sb, i, j)
@@ -48,7 +49,7 @@ def _dq_kernel(r: dict, *, plan: Plan):
     r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
   common.when_visited(count, j, cls, functools.partial(
-      _dq_step, r, plan=plan, b=b, i=i, kv_block=kv_block))
+      _dq_step, r, plan=plan, b=b, n=n, i=i, kv_block=kv_block))
 
   @pl.when(j == plan.kv_steps - 1)
   def _finish():
@@ -56,15 +57,18 @@ def _dq_kernel(r: dict, *, plan: Plan):
         r["dq"].dtype)
 
 
-def _dq_step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
+def _dq_step(r: dict, masked: bool, *, plan: Plan, b, n, i,
+             kv_block) -> None:
   """Adds one tile's ``dS @ K`` to the dQ accumulator."""
   q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+  q_start, kv_start = i * plan.block_q, kv_block * plan.block_kv
   s, tanh = common.logits(q, k, plan)
+  s = common.add_alibi(s, r, b=b, n=n, q_start=q_start, kv_start=kv_start,
+                       transposed=False)
   visible = None
   if masked:
-    kv_start = kv_block * plan.block_kv
     s, visible = common.apply_mask(
-        s, plan, r, b=b, q_start=i * plan.block_q, kv_start=kv_start,
+        s, plan, r, b=b, q_start=q_start, kv_start=kv_start,
         transposed=False)
     if plan.kv_tail:
       k = common.zero_rows_past(k, kv_start, plan.rules.kv_len)
@@ -82,8 +86,8 @@ def _dq_step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
 
 
 def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
-       mask: masks.AttentionMask, meta: Metadata, plan: Plan,
-       out_dtype) -> Array:
+       mask: masks.AttentionMask, slopes: Array | None, meta: Metadata,
+       plan: Plan, out_dtype) -> Array:
   """dQ on kernel-layout operands.
 
   Args:
@@ -91,7 +95,8 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     k, v: ``[B, K, S, Hp]``.
     lse, delta: ``[B, N, 1, T]`` float32 (``lse`` with ``-inf`` replaced
       by 0).
-    mask, meta, plan: as for :func:`jflash.backends.mosaic_tpu.forward.forward`.
+    mask, slopes, meta, plan: as for
+      :func:`jflash.backends.mosaic_tpu.forward.forward`.
     out_dtype: dtype of dQ.
 
   Returns:
@@ -130,7 +135,8 @@ def dq(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
         (None, 1, bkv), lambda b, n, i, j, visits, count, *_: (
             b, 0, kv_block(b, i, j, visits, count))))
   operands = common.KernelOperands(
-      scalars=common.scalar_operands(meta.kv_visits, meta.kv_count, mask),
+      scalars=common.scalar_operands(meta.kv_visits, meta.kv_count, mask,
+                                     slopes),
       inputs=inputs,
       outputs={"dq": (jax.ShapeDtypeStruct(q.shape, out_dtype), q_spec)},
       scratch={"acc": pltpu.VMEM((bq, hp), jnp.float32)})
@@ -146,7 +152,7 @@ def _dkv_kernel(r: dict, *, plan: Plan, groups: int):
   """One grid step ``(b, h, ki, g, j)``: step ``j`` of key block ``ki``'s
   query block visits, for query head ``g`` of key/value head ``h`` (refs by
   name, see :func:`dkv`)."""
-  b, ki = pl.program_id(0), pl.program_id(2)
+  b, h, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   g, j = pl.program_id(3), pl.program_id(4)
   sb = b if plan.per_batch else 0
   count = r["count"][sb, ki]
@@ -158,7 +164,8 @@ def _dkv_kernel(r: dict, *, plan: Plan, groups: int):
     r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
 
   common.when_visited(count, j, cls, functools.partial(
-      _dkv_step, r, plan=plan, b=b, ki=ki, q_block=q_block))
+      _dkv_step, r, plan=plan, b=b, n=h * groups + g, ki=ki,
+      q_block=q_block))
 
   @pl.when((g == groups - 1) & (j == plan.q_steps - 1))
   def _finish():
@@ -167,16 +174,19 @@ def _dkv_kernel(r: dict, *, plan: Plan, groups: int):
     r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
 
 
-def _dkv_step(r: dict, masked: bool, *, plan: Plan, b, ki, q_block) -> None:
+def _dkv_step(r: dict, masked: bool, *, plan: Plan, b, n, ki,
+              q_block) -> None:
   """Adds one transposed tile's ``P.T @ dO`` and ``dS.T @ Q`` to the dV and
-  dK accumulators."""
+  dK accumulators (query head ``n``)."""
   q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+  q_start, kv_start = q_block * plan.block_q, ki * plan.block_kv
   s, tanh = common.logits(k, q, plan)  # [bkv, bq]
+  s = common.add_alibi(s, r, b=b, n=n, q_start=q_start, kv_start=kv_start,
+                       transposed=True)
   visible = None
   if masked:
-    q_start = q_block * plan.block_q
     s, visible = common.apply_mask(
-        s, plan, r, b=b, q_start=q_start, kv_start=ki * plan.block_kv,
+        s, plan, r, b=b, q_start=q_start, kv_start=kv_start,
         transposed=True)
     if plan.q_tail:
       q = common.zero_rows_past(q, q_start, plan.rules.q_len)
@@ -200,8 +210,8 @@ def _dkv_step(r: dict, masked: bool, *, plan: Plan, b, ki, q_block) -> None:
 
 
 def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
-        mask: masks.AttentionMask, meta: Metadata, plan: Plan,
-        out_dtype) -> tuple[Array, Array]:
+        mask: masks.AttentionMask, slopes: Array | None, meta: Metadata,
+        plan: Plan, out_dtype) -> tuple[Array, Array]:
   """dK and dV on kernel-layout operands (shapes as for :func:`dq`).
 
   Returns:
@@ -240,7 +250,8 @@ def dkv(q: Array, k: Array, v: Array, do: Array, lse: Array, delta: Array,
     inputs["kv_ids"] = (kv_col, common.block_spec(
         (None, bkv, 1), lambda b, h, ki, g, j, *_: (b, ki, 0)))
   operands = common.KernelOperands(
-      scalars=common.scalar_operands(meta.q_visits, meta.q_count, mask),
+      scalars=common.scalar_operands(meta.q_visits, meta.q_count, mask,
+                                     slopes),
       inputs=inputs,
       outputs={"dk": (jax.ShapeDtypeStruct(k.shape, out_dtype), kv_spec),
                "dv": (jax.ShapeDtypeStruct(v.shape, out_dtype), kv_spec)},

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jflash import masks, tiles
-from jflash.core import trace_time
+from jflash.core import alibi, trace_time
 from jflash.core.call import varying_result
 
 Array = jax.Array
@@ -184,13 +184,15 @@ def segment_layouts(ids: Array) -> tuple[Array, Array]:
 
 
 def scalar_operands(visits: Array, count: Array,
-                    mask: masks.AttentionMask) -> dict[str, Array]:
+                    mask: masks.AttentionMask,
+                    slopes: Array | None) -> dict[str, Array]:
   """What a kernel reads from SMEM by scalar prefetch: its visit list and
   counts, then the per-row lengths the call has (``q_lengths``,
   ``kv_lengths``), then, for a mask with offsets (one block of longer
   sequences), ``offsets``: int32 ``[2]``, the global positions of local
-  query 0 and key 0 (0 for an offset the mask leaves out).  A mask
-  without offsets passes none, so its kernels are unchanged."""
+  query 0 and key 0 (0 for an offset the mask leaves out), then the ALiBi
+  ``slopes`` (float32 ``[B|1, N]``) where the call has them.  A call
+  without offsets or slopes passes none, so its kernels are unchanged."""
   scalars = {"visits": visits, "count": count}
   for name in ("q_lengths", "kv_lengths"):
     lengths = getattr(mask, name)
@@ -200,6 +202,8 @@ def scalar_operands(visits: Array, count: Array,
     scalars["offsets"] = jnp.stack([
         jnp.asarray(0 if x is None else x, jnp.int32).reshape(())
         for x in (mask.q_offset, mask.kv_offset)])
+  if slopes is not None:
+    scalars["slopes"] = slopes.astype(jnp.float32)
   return scalars
 
 
@@ -294,6 +298,23 @@ def logits(a: Array, b: Array, plan: Plan) -> tuple[Array, Array | None]:
     tanh = jnp.tanh(s / cap)
     s = cap * tanh
   return s, tanh
+
+
+def add_alibi(s: Array, refs: dict[str, Any], *, b, n, q_start, kv_start,
+              transposed: bool) -> Array:
+  """``s`` plus query head ``n``'s ALiBi penalty (:mod:`jflash.core.alibi`)
+  at the tile's global positions, where the call has slopes (SMEM
+  ``slopes [B|1, N]``); ``s`` unchanged otherwise.  Arguments as for
+  :func:`apply_mask`."""
+  if "slopes" not in refs:
+    return s
+  q_offset, kv_offset = offsets_of(refs)
+  q_axis, kv_axis = (1, 0) if transposed else (0, 1)
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, s.shape, q_axis)
+  kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, s.shape, kv_axis)
+  row = b if refs["slopes"].shape[0] > 1 else 0
+  return s + alibi.penalty(refs["slopes"][row, n],
+                           masks.shifted(q_idx, q_offset, kv_offset) - kv_idx)
 
 
 def apply_mask(s: Array, plan: Plan, refs: dict[str, Any], *, b, q_start,

@@ -233,6 +233,10 @@ class MosaicTpuDecodeBackend:
     if call.dtype not in _DTYPES:
       raise NotImplementedError(f"{self.name} decode serves float32, "
                                 f"bfloat16 and float16, got {call.dtype}")
+    if call.alibi_slopes is not None:
+      raise NotImplementedError(f"{self.name} decode: alibi_slopes are not "
+                                "supported yet; the 'xla' decode backend "
+                                "serves them")
     if not call.interpret:
       platform = call.target().platform
       if platform != "tpu":

@@ -29,13 +29,14 @@ Array = jax.Array
 def _kernel(r: dict, *, plan: Plan):
   """One grid step ``(b, n, i, j)``: step ``j`` of query block ``i``'s key
   block visits (refs by name, see :func:`forward`)."""
-  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  b, n = pl.program_id(0), pl.program_id(1)
+  i, j = pl.program_id(2), pl.program_id(3)
   sb = b if plan.per_batch else 0
   count = r["count"][sb, i]
   kv_block, cls = common.visit_at(r["visits"], r["count"], sb, i, j)
   pl.when(j == 0)(functools.partial(_init, r))
   common.when_visited(count, j, cls, functools.partial(
-      _step, r, plan=plan, b=b, i=i, kv_block=kv_block))
+      _step, r, plan=plan, b=b, n=n, i=i, kv_block=kv_block))
   pl.when(j == plan.kv_steps - 1)(functools.partial(_finish, r))
 
 
@@ -45,14 +46,16 @@ def _init(r: dict) -> None:
   r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
 
-def _step(r: dict, masked: bool, *, plan: Plan, b, i, kv_block) -> None:
+def _step(r: dict, masked: bool, *, plan: Plan, b, n, i, kv_block) -> None:
   """Online softmax over one tile: the element mask only when ``masked``."""
   q, k, v = r["q"][...], r["k"][...], r["v"][...]
+  q_start, kv_start = i * plan.block_q, kv_block * plan.block_kv
   s, _ = common.logits(q, k, plan)
+  s = common.add_alibi(s, r, b=b, n=n, q_start=q_start, kv_start=kv_start,
+                       transposed=False)
   if masked:
-    kv_start = kv_block * plan.block_kv
     s, _ = common.apply_mask(
-        s, plan, r, b=b, q_start=i * plan.block_q, kv_start=kv_start,
+        s, plan, r, b=b, q_start=q_start, kv_start=kv_start,
         transposed=False)
     if plan.kv_tail:
       v = common.zero_rows_past(v, kv_start, plan.rules.kv_len)
@@ -83,13 +86,15 @@ def _finish(r: dict) -> None:
 
 
 def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
-            meta: Metadata, plan: Plan, out_dtype) -> tuple[Array, Array]:
+            slopes: Array | None, meta: Metadata, plan: Plan,
+            out_dtype) -> tuple[Array, Array]:
   """Runs the forward kernel on kernel-layout operands.
 
   Args:
     q: ``[B, N, T, Hp]``.
     k, v: ``[B, K, S, Hp]``.
     mask: the call's mask (its lengths and segment ids reach the kernel).
+    slopes: the call's ALiBi slopes ``[B|1, N]``, or None.
     meta: the call's tile visits.
     plan: the static plan.
     out_dtype: dtype of the output (float32 when the backward pass will
@@ -136,7 +141,8 @@ def forward(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
              "l": pltpu.VMEM((bq, LANES), jnp.float32),
              "acc": pltpu.VMEM((bq, hp), jnp.float32)}
   operands = common.KernelOperands(
-      scalars=common.scalar_operands(meta.kv_visits, meta.kv_count, mask),
+      scalars=common.scalar_operands(meta.kv_visits, meta.kv_count, mask,
+                                     slopes),
       inputs=inputs, outputs=outputs, scratch=scratch)
   out, lse = common.call_kernel(
       functools.partial(_kernel, plan=plan), operands, plan=plan,

@@ -27,21 +27,22 @@ def _kernel_dtype(dtype):
   return jnp.float32 if dtype == jnp.float16 else dtype
 
 
-def run_forward(q, k, v, mask, meta: Metadata, plan: Plan, out_dtype):
+def run_forward(q, k, v, mask, slopes, meta: Metadata, plan: Plan,
+                out_dtype):
   """``(out [B, T, N, H] out_dtype, lse [B, T, N] float32)`` without a
   derivative."""
   kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
   out, lse = forward.forward(
       common.to_kernel_layout(q.astype(kdt), hp),
       common.to_kernel_layout(k.astype(kdt), hp),
-      common.to_kernel_layout(v.astype(kdt), hp), mask, meta, plan,
+      common.to_kernel_layout(v.astype(kdt), hp), mask, slopes, meta, plan,
       out_dtype)
   return (common.from_kernel_layout(out, q.shape[3]),
           common.rows_from_kernel(lse))
 
 
-def run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
-                 d_out, d_lse):
+def run_backward(q, k, v, mask, slopes, meta: Metadata, plan: Plan, out,
+                 lse, d_out, d_lse):
   """``(dq, dk, dv)`` from the call's ``out`` and ``lse`` (float32 ``out``
   keeps ``delta`` exact) and their cotangents."""
   kdt, hp = _kernel_dtype(q.dtype), plan.head_dim
@@ -57,7 +58,7 @@ def run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
           common.to_kernel_layout(v.astype(kdt), hp),
           common.to_kernel_layout(d_out.astype(kdt), hp),
           common.rows_to_kernel(lse), common.rows_to_kernel(delta),
-          mask, meta, plan)
+          mask, slopes, meta, plan)
   dq = backward.dq(*args, out_dtype=kdt)
   dk, dv = backward.dkv(*args, out_dtype=kdt)
   h = q.shape[3]
@@ -66,30 +67,31 @@ def run_backward(q, k, v, mask, meta: Metadata, plan: Plan, out, lse,
           common.from_kernel_layout(dv, h).astype(v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def attention(q: Array, k: Array, v: Array, mask: masks.AttentionMask,
-              plan: Plan) -> tuple[Array, Array]:
+              slopes: Array | None, plan: Plan) -> tuple[Array, Array]:
   """``(out [B, T, N, H], logsumexp [B, T, N] float32)``, both
-  differentiable in ``q``, ``k`` and ``v``."""
-  out, lse = run_forward(q, k, v, mask, common.metadata(mask, plan), plan,
-                          _kernel_dtype(q.dtype))
+  differentiable in ``q``, ``k`` and ``v`` (the ALiBi ``slopes [B|1, N]``
+  are constants)."""
+  out, lse = run_forward(q, k, v, mask, slopes, common.metadata(mask, plan),
+                         plan, _kernel_dtype(q.dtype))
   return out.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, mask, plan):
+def _attention_fwd(q, k, v, mask, slopes, plan):
   meta = common.metadata(mask, plan)
   # The backward pass takes delta from a float32 output: one rounded to
   # bfloat16 would cost dQ and dK several times its rounding error.
-  out, lse = run_forward(q, k, v, mask, meta, plan, jnp.float32)
-  return (out.astype(q.dtype), lse), (q, k, v, mask, meta, out, lse)
+  out, lse = run_forward(q, k, v, mask, slopes, meta, plan, jnp.float32)
+  return (out.astype(q.dtype), lse), (q, k, v, mask, slopes, meta, out, lse)
 
 
 def _attention_bwd(plan, residuals, cotangents):
-  q, k, v, mask, meta, out, lse = residuals
+  q, k, v, mask, slopes, meta, out, lse = residuals
   d_out, d_lse = cotangents
-  dq, dk, dv = run_backward(q, k, v, mask, meta, plan, out, lse, d_out,
-                             d_lse)
-  return dq, dk, dv, None
+  dq, dk, dv = run_backward(q, k, v, mask, slopes, meta, plan, out, lse,
+                            d_out, d_lse)
+  return dq, dk, dv, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

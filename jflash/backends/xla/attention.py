@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jflash import masks, tiles
+from jflash.core import alibi
 from jflash.core.call import AttentionCall, check_config
 from jflash.core.padding import pad_axis
 
@@ -118,8 +119,11 @@ def _merge_heads(x: Array) -> Array:
 class _Tiles:
   """Loads tiles of the padded operands and recomputes tile logits."""
 
-  def __init__(self, q, k, v, bias, mask: masks.AttentionMask, plan: _Plan):
+  def __init__(self, q, k, v, bias, mask: masks.AttentionMask, slopes,
+               plan: _Plan):
     self.plan = plan
+    self.slopes = None if slopes is None else _split_heads(
+        slopes.astype(plan.compute_dtype)[:, :, None, None], k.shape[2])
     self.num_kv_heads = k.shape[2]
     tq, tk = plan.num_q * plan.block_q, plan.num_kv * plan.block_kv
     self.mask = mask.padded(tq, tk)
@@ -179,18 +183,23 @@ class _Tiles:
       cap = jnp.asarray(plan.soft_cap, s.dtype)
       tanh = jnp.tanh(s / cap)
       s = cap * tanh
+    if self.slopes is not None:
+      q_pos = (qi * plan.block_q + jnp.arange(plan.block_q, dtype=jnp.int32)
+               + self.mask.diagonal_shift())
+      k_pos = ki * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)
+      s = s + alibi.penalty(self.slopes, q_pos[:, None] - k_pos[None, :])
     visible = self.mask.block_visibility(qi * plan.block_q, plan.block_q,
                                          ki * plan.block_kv, plan.block_kv)
     s = jnp.where(_split_heads(visible, self.num_kv_heads), s, -jnp.inf)
     return s, tanh
 
 
-def _forward(q, k, v, bias, mask, sched: tiles.TileSchedule, plan: _Plan,
-             static_trip: bool = False):
+def _forward(q, k, v, bias, mask, slopes, sched: tiles.TileSchedule,
+             plan: _Plan, static_trip: bool = False):
   """``(out, lse)``.  ``static_trip``: every query block's loop runs over
   all key blocks, skipping the ones not scheduled, so that it is a scan
   JAX can differentiate in reverse mode as well as forward."""
-  tiles = _Tiles(q, k, v, bias, mask, plan)
+  tiles = _Tiles(q, k, v, bias, mask, slopes, plan)
   batch, _, num_heads, head_dim = q.shape
 
   def q_block(qi):
@@ -246,9 +255,9 @@ def _reduce_to(x: Array, shape: tuple[int, ...]) -> Array:
   return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def _backward(q, k, v, bias, mask, sched, out, lse, d_out, d_lse,
+def _backward(q, k, v, bias, mask, slopes, sched, out, lse, d_out, d_lse,
               plan: _Plan):
-  tiles = _Tiles(q, k, v, bias, mask, plan)
+  tiles = _Tiles(q, k, v, bias, mask, slopes, plan)
   cdt = plan.compute_dtype
   tq = plan.num_q * plan.block_q
   # delta_i = sum_h dO_ih O_ih - dlse_i: the row term of the softmax
@@ -340,24 +349,27 @@ def _schedule(mask, plan: _Plan) -> tiles.TileSchedule:
                              merge_batch=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, bias, mask, plan):
-  out, lse = _forward(q, k, v, bias, mask, _schedule(mask, plan), plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, bias, mask, slopes, plan):
+  out, lse = _forward(q, k, v, bias, mask, slopes, _schedule(mask, plan),
+                      plan)
   return out.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, bias, mask, plan):
+def _attention_fwd(q, k, v, bias, mask, slopes, plan):
   sched = _schedule(mask, plan)
-  out, lse = _forward(q, k, v, bias, mask, sched, plan)
-  return (out.astype(q.dtype), lse), (q, k, v, bias, mask, sched, out, lse)
+  out, lse = _forward(q, k, v, bias, mask, slopes, sched, plan)
+  return ((out.astype(q.dtype), lse),
+          (q, k, v, bias, mask, slopes, sched, out, lse))
 
 
 def _attention_bwd(plan, residuals, cotangents):
-  q, k, v, bias, mask, sched, out, lse = residuals
+  q, k, v, bias, mask, slopes, sched, out, lse = residuals
   d_out, d_lse = cotangents
-  dq, dk, dv, dbias = _backward(q, k, v, bias, mask, sched, out, lse, d_out,
-                                d_lse, plan)
-  return dq, dk, dv, dbias, None
+  dq, dk, dv, dbias = _backward(q, k, v, bias, mask, slopes, sched, out, lse,
+                                d_out, d_lse, plan)
+  # The slopes are constants (jflash.core.alibi): no cotangent.
+  return dq, dk, dv, dbias, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -372,14 +384,14 @@ class XlaBackend:
 
   def __call__(self, call: AttentionCall) -> tuple[Array, Array]:
     return _attention(call.query, call.key, call.value, call.bias, call.mask,
-                      self._plan(call))
+                      call.alibi_slopes, self._plan(call))
 
   def forward(self, call: AttentionCall) -> tuple[Array, Array]:
     """``(out, lse)`` without a derivative, ``out`` in the compute dtype
     (float32 or wider): one block of a context-parallel call."""
     plan = self._plan(call)
     return _forward(call.query, call.key, call.value, call.bias, call.mask,
-                    _schedule(call.mask, plan), plan)
+                    call.alibi_slopes, _schedule(call.mask, plan), plan)
 
   def backward(self, call: AttentionCall, out: Array, lse: Array,
                d_out: Array, d_lse: Array) -> tuple[Array, Array, Array]:
@@ -390,8 +402,9 @@ class XlaBackend:
       raise NotImplementedError(f"{self.name}: a block backward takes no bias")
     plan = self._plan(call)
     dq, dk, dv, _ = _backward(call.query, call.key, call.value, None,
-                              call.mask, _schedule(call.mask, plan), out,
-                              lse, d_out, d_lse, plan)
+                              call.mask, call.alibi_slopes,
+                              _schedule(call.mask, plan), out, lse, d_out,
+                              d_lse, plan)
     return dq, dk, dv
 
   def differentiable(self, call: AttentionCall) -> tuple[Array, Array]:
@@ -402,7 +415,8 @@ class XlaBackend:
     plan = self._plan(call)
     sched = _schedule(call.mask, plan)
     out, lse = _forward(call.query, call.key, call.value, call.bias,
-                        call.mask, sched, plan, static_trip=True)
+                        call.mask, call.alibi_slopes, sched, plan,
+                        static_trip=True)
     return out.astype(call.dtype), lse
 
   def _plan(self, call: AttentionCall) -> _Plan:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jflash import masks
+from jflash.core import alibi
 from jflash.core.call import DecodeCall
 from jflash.core.splits import (DecodeConfig, SplitPlan, group_rows, make_plan,
                                  merge_partials, ungroup_rows)
@@ -108,6 +109,17 @@ def _update(call: DecodeCall, plan: SplitPlan, q_rows: Array, carry,
   if call.logits_soft_cap is not None:
     cap = jnp.asarray(call.logits_soft_cap, s.dtype)
     s = cap * jnp.tanh(s / cap)
+  if call.alibi_slopes is not None:
+    # Row g * T + t is new token t of query head k * G + g, at position
+    # lengths - T + t.
+    batch, kv_heads = s.shape[:2]
+    slopes = call.alibi_slopes.reshape(-1, kv_heads, groups).astype(s.dtype)
+    slopes = jnp.repeat(slopes, num_new, axis=2)[..., None]
+    positions = (call.lengths[:, None] - num_new
+                 + jnp.arange(num_new, dtype=jnp.int32))
+    positions = jnp.tile(positions, (1, groups))  # [B, G*T]
+    s = s + alibi.penalty(
+        slopes, positions[:, None, :, None] - slots[:, None, None, :])
   rows_vis = jnp.tile(vis, (1, groups, 1))[:, None]  # [B, 1, G*T, C]
   s = jnp.where(rows_vis, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(-1))
