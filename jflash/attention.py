@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -15,7 +15,8 @@ from jax import lax
 from jflash.core import dispatch, registry
 from jflash.core.call import AttentionCall
 from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
-                                canonical_alibi_slopes, canonical_scale,
+                                canonical_alibi_slopes, canonical_mask_fn,
+                                canonical_scale,
                                 canonical_sinks,
                                 canonical_soft_cap,
                                 canonical_window, check_floating,
@@ -219,6 +220,7 @@ def _shards(parallel: ContextParallel | None) -> int:
 def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                   query_seq_lengths, key_value_seq_lengths, local_window_size,
                   segment_ids, logits_soft_cap, alibi_slopes=None,
+                  mask_fn=None,
                   return_residual=False,
                   interpret=False,
                   shards: int = 1) -> tuple[AttentionCall, bool]:
@@ -292,7 +294,7 @@ def _canonicalize(query, key, value, bias, mask, *, scale, is_causal,
                                    "key_value_seq_lengths", batch,
                                    kv_len * shards),
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, dense=mask,
-      has_offsets=shards > 1)
+      has_offsets=shards > 1, mask_fn=canonical_mask_fn(mask_fn))
   return_residual = bool_flag(return_residual, "return_residual")
   interpret = bool_flag(interpret, "interpret")
   slopes = canonical_alibi_slopes(alibi_slopes, batch, num_heads,
@@ -318,6 +320,7 @@ def dot_product_attention(
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    mask_fn: Callable[[Array, Array], Array] | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: ArrayLike | None = None,
     attention_sinks: ArrayLike | None = None,
@@ -354,6 +357,15 @@ def dot_product_attention(
       pair ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; a query sees
       only keys with the same id.  Any integer dtype; ids are compared
       exactly (64-bit ids are renumbered, never truncated).
+    mask_fn: visibility as a function of positions: ``mask_fn(q_pos,
+      kv_pos)`` of int32 arrays that broadcast (global positions under
+      context parallelism), returning bools, True = attend; written with
+      ``jnp`` operations and ANDed with the other rules.  Tiles it hides
+      are skipped, and elements are masked only in tiles it hides in part
+      (computed while tracing when nothing else depends on the data).
+      Ready-made: ``jflash.masks.PrefixLM``, ``ChunkedCausal``,
+      ``GlobalAndWindow``, ``Dilated``.  A hashable callable with value
+      equality (a frozen dataclass) lets compiled programs be reused.
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` after
       scale and bias.
     alibi_slopes: floating ``[N]`` or ``[B, N]``: ALiBi (BLOOM, MPT), a
@@ -416,7 +428,7 @@ def dot_product_attention(
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-      return_residual=return_residual, interpret=interpret,
+      mask_fn=mask_fn, return_residual=return_residual, interpret=interpret,
       shards=_shards(parallel))
   call, sinks = _with_sinks(call, attention_sinks)
   request = dispatch.parse_request(implementation)
@@ -489,6 +501,7 @@ def selected_implementation(
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    mask_fn: Callable[[Array, Array], Array] | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: ArrayLike | None = None,
     attention_sinks: ArrayLike | None = None,
@@ -535,8 +548,8 @@ def selected_implementation(
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-        return_residual=return_residual, interpret=interpret,
-        shards=_shards(parallel))
+        mask_fn=mask_fn, return_residual=return_residual,
+        interpret=interpret, shards=_shards(parallel))
     call, _ = _with_sinks(call, attention_sinks)
     if _is_empty(call):
       chosen.append(_EMPTY_RESULT_BACKEND)

@@ -21,7 +21,7 @@ The visibility rule is :func:`jflash.masks.decode_row_bounds`.  See
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +32,8 @@ from jflash.core.call import DecodeCall
 from jflash.core.sinks import apply_sinks
 from jflash.core.checks import (as_array, bool_flag, canonical_lengths,
                                 canonical_scale, canonical_sinks,
-                                canonical_alibi_slopes, canonical_soft_cap,
+                                canonical_alibi_slopes, canonical_mask_fn,
+                                canonical_soft_cap,
                                 canonical_window, check_floating,
                                 compute_dtype, describe, integers, to_int32)
 
@@ -108,7 +109,7 @@ def _check_cache(query: Array, key: Array, value: Array,
 
 def _canonical_call(query, key_cache, value_cache, lengths, block_table,
                     scale, local_window_size, logits_soft_cap,
-                    alibi_slopes=None) -> DecodeCall:
+                    alibi_slopes=None, mask_fn=None) -> DecodeCall:
   """Validates every argument of :func:`decode_attention`."""
   query = _floating(query, "query", "[B, T, N, H]")
   batch, num_new, _, head_dim = query.shape
@@ -139,7 +140,8 @@ def _canonical_call(query, key_cache, value_cache, lengths, block_table,
                                                        scale_value, dtype),
                     window=canonical_window(local_window_size),
                     alibi_slopes=canonical_alibi_slopes(
-                        alibi_slopes, batch, query.shape[2], query.dtype))
+                        alibi_slopes, batch, query.shape[2], query.dtype),
+                    mask_fn=canonical_mask_fn(mask_fn))
 
 
 # ------------------------------------------------------------------- public
@@ -152,6 +154,7 @@ def decode_attention(
     block_table: ArrayLike | None = None,
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    mask_fn: Callable[[Array, Array], Array] | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: ArrayLike | None = None,
     attention_sinks: ArrayLike | None = None,
@@ -192,6 +195,9 @@ def decode_attention(
       ``p`` sees slots ``p - left .. p`` (the right side cannot reach past
       ``p``: the cache holds no later tokens).  Only the window's pages are
       read.
+    mask_fn: ``mask_fn(position, slot) -> bool`` of int32 arrays, ANDed
+      with the rules above (as in :func:`jflash.dot_product_attention`,
+      with the new token's position ``lengths[b] - T + t``).
     logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after
       scaling.
     alibi_slopes: floating ``[N]`` or ``[B, N]``: ALiBi's ``-slope[n] * (p
@@ -232,7 +238,7 @@ def decode_attention(
   """
   call = _canonical_call(query, key_cache, value_cache, lengths, block_table,
                          scale, local_window_size, logits_soft_cap,
-                         alibi_slopes)
+                         alibi_slopes, mask_fn)
   request = dispatch.parse_request(implementation, decode=True)
   return_residual = bool_flag(return_residual, "return_residual")
   call = dataclasses.replace(call, interpret=bool_flag(interpret, "interpret"))

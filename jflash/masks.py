@@ -19,6 +19,15 @@ so causal masking is aligned top-left when ``T != S``)::
         and (kv_lengths is None or s < kv_lengths[b])
         and (segment_ids is None or q_segment_ids[b, t] == kv_segment_ids[b, s])
         and (dense is None or dense[b, n, t, s])
+        and (mask_fn is None or mask_fn(t, s))
+
+``mask_fn`` is visibility as a function of positions (global positions
+under context parallelism; see :class:`AttentionMask`), written with
+``jnp`` operations; the ready-made ones below (:class:`PrefixLM`,
+:class:`ChunkedCausal`, :class:`GlobalAndWindow`, :class:`Dilated`) show
+how to write one.  Tiles are classified from it once per call
+(:mod:`jflash.tiles`), so kernels skip the tiles it hides and mask
+elements only where it hides part of a tile.
 
 The structural part (causal, window, lengths) gives every query row one
 contiguous interval of visible keys whose two ends never decrease as ``t``
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +149,10 @@ class AttentionMask:
     has_offsets: static, True when the mask describes a block of longer
       sequences: set whenever an offset is given, and kept by the static
       rules a kernel compiles in (see :meth:`static_rules`).
+    mask_fn: static, ``mask_fn(q_pos, kv_pos) -> bool`` of int32 global
+      positions (any shapes that broadcast), or None; compared by
+      equality, so a hashable callable with value equality (such as the
+      dataclasses below) keeps compiled programs cached across calls.
   """
 
   batch: int = dataclasses.field(metadata=dict(static=True))
@@ -155,6 +170,7 @@ class AttentionMask:
   kv_offset: Array | None = None
   has_offsets: bool = dataclasses.field(default=False,
                                         metadata=dict(static=True))
+  mask_fn: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
     if self.q_offset is not None or self.kv_offset is not None:
@@ -183,7 +199,8 @@ class AttentionMask:
     :func:`visibility_at`."""
     return AttentionMask(batch=self.batch, q_len=self.q_len,
                          kv_len=self.kv_len, is_causal=self.is_causal,
-                         window=self.window, has_offsets=self.has_offsets)
+                         window=self.window, has_offsets=self.has_offsets,
+                         mask_fn=self.mask_fn)
 
   def diagonal_shift(self) -> Array | int:
     """``q_offset - kv_offset``: query ``t`` stands at key position
@@ -216,8 +233,10 @@ class AttentionMask:
     return jnp.broadcast_arrays(lo, hi)
 
   def has_structural_part_only(self) -> bool:
-    """True when only causal/window/lengths are set (no segments, no dense)."""
-    return self.q_segment_ids is None and self.dense is None
+    """True when only causal/window/lengths are set (no segments, dense
+    mask or mask function)."""
+    return (self.q_segment_ids is None and self.dense is None
+            and self.mask_fn is None)
 
   def may_have_empty_rows(self) -> bool:
     """Static: False when every query row is sure to see a key (no lengths,
@@ -290,6 +309,9 @@ class AttentionMask:
       k_seg = lax.dynamic_slice_in_dim(self.kv_segment_ids, kv_start,
                                        block_kv, 1)
       vis = vis & (q_seg[:, :, None] == k_seg[:, None, :])
+    if self.mask_fn is not None:
+      vis = vis & self.function_visibility(q_idx[:, None], k_idx[None, :])[
+          None]
     vis = vis[:, None]
     if self.dense is not None:
       dense = self.dense
@@ -299,6 +321,13 @@ class AttentionMask:
         dense = lax.dynamic_slice_in_dim(dense, kv_start, block_kv, 3)
       vis = vis & dense
     return vis
+
+  def function_visibility(self, q_idx: Array, kv_idx: Array) -> Array:
+    """``mask_fn`` at local positions ``q_idx``, ``kv_idx`` (int32, any
+    shapes that broadcast), given the global positions; True without a
+    function."""
+    return apply_mask_fn(self.mask_fn, q_idx, kv_idx, self.q_offset,
+                         self.kv_offset)
 
   def visibility(self) -> Array:
     """The whole mask, ``[B, N|1, T, S]`` bool.  Quadratic: reference only."""
@@ -370,15 +399,22 @@ def decode_row_bounds(lengths: Array, num_new: int, *, kv_len: int,
 
 
 def decode_visibility(lengths: Array, num_new: int, key_positions: Array, *,
-                      kv_len: int,
-                      window: tuple[int, int] | None) -> Array:
+                      kv_len: int, window: tuple[int, int] | None,
+                      mask_fn: Callable[[Array, Array], Array] | None = None
+                      ) -> Array:
   """bool ``[B, T, C]``: whether new query ``t`` of sequence ``b`` sees the
   cache slot at ``key_positions[b, c]`` (int32 ``[B, C]``, any slots, e.g.
   one chunk or the pages of a block table); the rule of
-  :func:`decode_row_bounds`."""
+  :func:`decode_row_bounds`, ANDed with ``mask_fn`` at the query's
+  position ``lengths[b] - T + t`` and the slot."""
   lo, hi = decode_row_bounds(lengths, num_new, kv_len=kv_len, window=window)
   pos = key_positions[:, None, :]
-  return (pos >= lo[..., None]) & (pos < hi[..., None])
+  vis = (pos >= lo[..., None]) & (pos < hi[..., None])
+  if mask_fn is not None:
+    q_pos = (jnp.asarray(lengths, jnp.int32)[:, None] - num_new
+             + jnp.arange(num_new, dtype=jnp.int32))
+    vis = vis & apply_mask_fn(mask_fn, q_pos[..., None], pos)
+  return vis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,4 +510,82 @@ def visibility_at(mask: AttentionMask, q_idx: Array, kv_idx: Array, *,
   vis = (kv_idx >= lo) & (kv_idx < hi)
   if q_segment_ids is not None:
     vis = vis & (q_segment_ids == kv_segment_ids)
+  if mask.mask_fn is not None:
+    vis = vis & apply_mask_fn(mask.mask_fn, q_idx, kv_idx, q_offset,
+                              kv_offset)
   return vis
+
+
+# ---------------------------------------------------------- mask functions
+def apply_mask_fn(mask_fn: Callable[[Array, Array], Array] | None,
+                  q_idx: Array, kv_idx: Array,
+                  q_offset: Array | int | None = None,
+                  kv_offset: Array | int | None = None) -> Array:
+  """``mask_fn`` at the global positions of local ``q_idx`` and ``kv_idx``
+  (int32, broadcasting), as a bool array of their broadcast shape; True
+  where there is no function."""
+  shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
+  if mask_fn is None:
+    return jnp.ones(shape, jnp.bool_)
+  vis = mask_fn(shifted(q_idx, q_offset, None), shifted(kv_idx, kv_offset,
+                                                          None))
+  return jnp.broadcast_to(jnp.asarray(vis, jnp.bool_), shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLM:
+  """Prefix-LM (T5, PaLI, UL2): the first ``prefix`` positions see each
+  other both ways; every later query sees the prefix and the keys up to
+  its own position.  Pass without ``is_causal`` (the prefix is not
+  causal)."""
+
+  prefix: int
+
+  def __call__(self, q: Array, k: Array) -> Array:
+    return (k < self.prefix) | (k <= q)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedCausal:
+  """Chunked local attention (Llama 4's local layers): the sequence is cut
+  into chunks of ``chunk`` positions, and a query sees the keys of its own
+  chunk up to its own position."""
+
+  chunk: int
+
+  def __call__(self, q: Array, k: Array) -> Array:
+    # Positions are non-negative: truncating division is floor division,
+    # without the sign fix-up of ``//``.
+    chunk = jnp.int32(self.chunk)
+    return (lax.div(q, chunk) == lax.div(k, chunk)) & (k <= q)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalAndWindow:
+  """Global tokens plus a sliding window (Longformer, BigBird): the first
+  ``num_global`` positions see and are seen by every position; the others
+  see keys ``q - left .. q + right``."""
+
+  num_global: int
+  left: int
+  right: int
+
+  def __call__(self, q: Array, k: Array) -> Array:
+    return ((q < self.num_global) | (k < self.num_global)
+            | ((k >= q - self.left) & (k <= q + self.right)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dilated:
+  """A dilated causal window (Sparse Transformer's strided pattern,
+  LongNet): a query sees the ``span`` keys ``q, q - dilation, q - 2
+  dilation, ...`` before it."""
+
+  span: int
+  dilation: int
+
+  def __call__(self, q: Array, k: Array) -> Array:
+    distance = q - k
+    # lax.rem: ``%``'s sign fix-up is not needed where distance >= 0.
+    return ((distance >= 0) & (distance < self.span * self.dilation)
+            & (lax.rem(distance, jnp.int32(self.dilation)) == 0))

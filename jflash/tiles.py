@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jflash import masks
 
@@ -111,6 +112,24 @@ def _segment_classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
   return nonempty, full
 
 
+def _function_classes(mask: masks.AttentionMask, block_q: int,
+                      block_kv: int, num_q: int, num_kv: int
+                      ) -> tuple[Array, Array]:
+  """Nonempty and full flags ``[1, nq, nk]`` of the mask function, from
+  its values on every position of each tile, one row of tiles at a time
+  (memory ``block_q * S``); positions past the sequence ends are hidden."""
+  k_idx = jnp.arange(num_kv * block_kv, dtype=jnp.int32)[None, :]
+
+  def tile_row(qi):
+    q_idx = qi * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+    vis = (mask.function_visibility(q_idx, k_idx) & (q_idx < mask.q_len)
+           & (k_idx < mask.kv_len)).reshape(block_q, num_kv, block_kv)
+    return vis.any(axis=(0, 2)), vis.all(axis=(0, 2))
+
+  nonempty, full = lax.map(tile_row, jnp.arange(num_q, dtype=jnp.int32))
+  return nonempty[None], full[None]
+
+
 def _dense_classes(mask: masks.AttentionMask, block_q: int, block_kv: int,
                    num_q: int, num_kv: int) -> tuple[Array, Array]:
   dense = mask.dense
@@ -142,7 +161,8 @@ def tile_classes(mask: masks.AttentionMask, block_q: int, block_kv: int) -> Arra
     int8 ``[B, ceil(T / block_q), ceil(S / block_kv)]`` with values
     :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`.  The classification is
     exact for causal, window and lengths, and conservative (never calls a
-    tile empty that holds a visible pair) for segment ids and dense masks;
+    tile empty that holds a visible pair) for segment ids, dense masks and
+    mask functions (each rule is reduced over the tile on its own);
     for a dense mask with a head axis, a tile is nonempty if any head sees a
     pair in it and full only if every head sees every pair.
   """
@@ -155,6 +175,8 @@ def tile_classes(mask: masks.AttentionMask, block_q: int, block_kv: int) -> Arra
     parts.append(_segment_classes(mask, block_q, block_kv, num_q, num_kv))
   if mask.dense is not None:
     parts.append(_dense_classes(mask, block_q, block_kv, num_q, num_kv))
+  if mask.mask_fn is not None:
+    parts.append(_function_classes(mask, block_q, block_kv, num_q, num_kv))
   for part_nonempty, part_full in parts:
     nonempty &= part_nonempty
     full &= part_full

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jflash
+from jflash import masks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -59,8 +60,13 @@ class Compiled:
 
 @functools.cache
 def _compile(fn, specs) -> Compiled:
-  compiled = jax.jit(fn).trace(*specs).lower(
-      lowering_platforms=("tpu",)).compile()
+  # Lowered under the chips' abstract mesh, as an export for a TPU from
+  # another host is: Pallas reads the TPU generation from it (for lax.sign,
+  # which a mask function's floor division or remainder may use).
+  mesh = specs[0].sharding.mesh
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(fn).trace(*specs).lower(
+        lowering_platforms=("tpu",)).compile()
   # One Mosaic custom call per kernel, named after the kernel.
   kernels = tuple(
       re.match(r"\s*%(jflash_mosaic_tpu_[a-z]+)", line).group(1)
@@ -128,6 +134,11 @@ CASES = (
     Case("alibi-window-f32-h64", 1000, 1000, 4, 4, 64, "float32",
          (("local_window_size", (255, 255)), ("alibi", "batch"),
           ("lengths", True))),
+    # Mask functions with integer division and remainder in the kernels.
+    Case("chunked-causal-bf16-h128", 2048, 2048, 4, 4, 128, "bfloat16",
+         (("mask_fn", masks.ChunkedCausal(512)),)),
+    Case("dilated-global-f32-h64", 1000, 1000, 4, 2, 64, "float32",
+         (("mask_fn", masks.Dilated(64, 3)), ("lengths", True))),
     Case("long-causal-bf16-h128", 2048, 131072, 4, 1, 128, "bfloat16",
          (("is_causal", False), ("lengths", True)), grad=False, batch=1),
 )

@@ -221,6 +221,8 @@ class DecodeCall:
     alibi_slopes: ``[B|1, N]`` in the softmax's dtype, or None: ALiBi's
       ``-slope * |p - s|`` for the query at position ``p`` and cache slot
       ``s``, after the soft cap (:mod:`jflash.core.alibi`).
+    mask_fn: ``mask_fn(position, slot) -> bool`` ANDed with the rule of
+      :func:`jflash.masks.decode_row_bounds`, or None.
   """
 
   query: Array
@@ -240,6 +242,7 @@ class DecodeCall:
   device_kind: str = dataclasses.field(default="",
                                        metadata=dict(static=True))
   alibi_slopes: Array | None = None
+  mask_fn: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
   def target(self) -> Target:
     """The platform and device this call is traced for."""

@@ -299,3 +299,35 @@ def canonical_alibi_slopes(x: Any, batch: int, num_heads: int, dtype: Any,
                      f"query head), got {describe(x)}")
   slopes = alibi.constant(slopes.astype(compute_dtype(dtype)))
   return slopes.reshape((-1, num_heads))
+
+
+def canonical_mask_fn(fn: Any) -> Any:
+  """``mask_fn``: None, or a callable of two int32 position arrays that
+  returns booleans of their broadcast shape (checked on a small probe
+  while tracing)."""
+  if fn is None:
+    return None
+  if not callable(fn):
+    raise ValueError(f"mask_fn must be a callable (q_pos, kv_pos) -> bool "
+                     f"array, got {fn!r}")
+  q = jax.ShapeDtypeStruct((3, 1), jnp.int32)
+  k = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+  try:
+    result = jax.eval_shape(fn, q, k)
+  except Exception as err:  # the user's function, any error
+    raise ValueError(f"mask_fn {fn!r} failed on int32 positions of shapes "
+                     f"(3, 1) and (1, 4): {type(err).__name__}: {err}"
+                     ) from err
+  shape = getattr(result, "shape", None)
+  dtype = getattr(result, "dtype", None)
+  try:
+    fits = shape is not None and len(shape) <= 2 and \
+        jnp.broadcast_shapes(shape, (3, 4)) == (3, 4)
+  except ValueError:
+    fits = False
+  if dtype != jnp.bool_ or not fits:
+    raise ValueError(
+        f"mask_fn must return a bool array of the broadcast shape of its "
+        f"arguments; on int32 positions of shapes (3, 1) and (1, 4) "
+        f"{fn!r} returned {result!r}")
+  return fn

@@ -356,6 +356,7 @@ def _signature(call: Call, name: str) -> tuple:
         ("paged", call.paged), ("window", call.window is not None),
         ("soft_cap", call.logits_soft_cap is not None),
         ("alibi", call.alibi_slopes is not None),
+        ("mask_fn", call.mask_fn is not None),
         ("interpret", call.interpret)) if present)
     return ("decode", call.shape_description, features, call.platform, name)
   mask = call.mask
@@ -365,7 +366,8 @@ def _signature(call: Call, name: str) -> tuple:
       ("kv_lengths", mask.kv_lengths is not None),
       ("segment_ids", mask.q_segment_ids is not None),
       ("offsets", mask.has_offsets),
-      ("mask", mask.dense is not None), ("bias", call.bias is not None),
+      ("mask", mask.dense is not None), ("mask_fn", mask.mask_fn is not None),
+      ("bias", call.bias is not None),
       ("soft_cap", call.logits_soft_cap is not None),
       ("alibi", call.alibi_slopes is not None),
       ("residual", call.returns_residual),

@@ -163,6 +163,7 @@ def mask_kind(call: AttentionCall) -> str:
     return "offsets"
   if (mask.q_lengths is not None or mask.kv_lengths is not None
       or mask.q_segment_ids is not None or mask.dense is not None
+      or mask.mask_fn is not None or call.alibi_slopes is not None
       or call.bias is not None or call.logits_soft_cap is not None):
     return "other"
   if mask.window is not None:

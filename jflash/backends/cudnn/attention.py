@@ -54,6 +54,8 @@ class CudnnBackend:
       _decline("alibi_slopes are not supported through jax.nn")
     if mask.dense is not None:
       _decline("a dense boolean mask is not supported")
+    if mask.mask_fn is not None:
+      _decline("mask_fn is not supported through jax.nn")
     if mask.has_offsets:
       _decline("sequence offsets (context parallelism) are not supported")
     if mask.window is not None and not mask.is_causal:

@@ -90,6 +90,8 @@ class MosaicGpuBackend:
       _decline(f"head dim {head_dim} is above 256")
     if call.bias is not None:
       _decline("a bias is not supported (the xla backend serves it)")
+    if call.mask.mask_fn is not None:
+      _decline("mask_fn is not supported yet (the xla backend serves it)")
     if call.alibi_slopes is not None:
       _decline("alibi_slopes are not supported yet (the xla backend serves "
                "them)")

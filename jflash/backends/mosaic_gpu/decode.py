@@ -516,9 +516,10 @@ class MosaicGpuDecodeBackend:
               f"is traced for {tgt.platform} {tgt.device_kind!r}")
     if call.dtype not in (jnp.bfloat16, jnp.float16):
       decline(f"it computes in bfloat16/float16 only, got {call.dtype}")
-    if call.alibi_slopes is not None:
-      decline("alibi_slopes are not supported yet (the xla decode backend "
-              "serves them)")
+    for name in ("alibi_slopes", "mask_fn"):
+      if getattr(call, name) is not None:
+        decline(f"{name} is not supported yet (the xla decode backend "
+                "serves it)")
     head_dim = call.query.shape[-1]
     if head_dim not in HEAD_DIMS:
       decline(f"it serves head dims {HEAD_DIMS}, got {head_dim}")

@@ -233,10 +233,11 @@ class MosaicTpuDecodeBackend:
     if call.dtype not in _DTYPES:
       raise NotImplementedError(f"{self.name} decode serves float32, "
                                 f"bfloat16 and float16, got {call.dtype}")
-    if call.alibi_slopes is not None:
-      raise NotImplementedError(f"{self.name} decode: alibi_slopes are not "
-                                "supported yet; the 'xla' decode backend "
-                                "serves them")
+    for name in ("alibi_slopes", "mask_fn"):
+      if getattr(call, name) is not None:
+        raise NotImplementedError(f"{self.name} decode: {name} is not "
+                                  "supported yet; the 'xla' decode backend "
+                                  "serves it")
     if not call.interpret:
       platform = call.target().platform
       if platform != "tpu":

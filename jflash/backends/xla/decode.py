@@ -100,7 +100,8 @@ def _update(call: DecodeCall, plan: SplitPlan, q_rows: Array, carry,
   num_new = call.num_new
   groups = q_rows.shape[2] // num_new
   vis = masks.decode_visibility(call.lengths, num_new, slots,
-                                kv_len=call.capacity, window=call.window)
+                                kv_len=call.capacity, window=call.window,
+                                mask_fn=call.mask_fn)
   # Values of slots no query sees are zeroed: they may hold anything.
   used = vis.any(1)[:, :, None, None]
   v = jnp.where(used, v, jnp.zeros((), v.dtype))
