@@ -47,7 +47,8 @@ def cached_forward(model: TransformerLM, tokens, lengths, caches, table):
     k_pages, v_pages = jflash.append_to_pages(k_pages, v_pages, table,
                                               lengths, k, v)
     y = jflash.decode_attention(q, k_pages, v_pages, lengths,
-                                block_table=table)
+                                block_table=table,
+                                alibi_slopes=block.attn.alibi_slopes())
     x = x + block.attn.proj(y.reshape(b, t, -1))
     x = x + block.mlp(block.ln2(x))
     updated.append((k_pages, v_pages))

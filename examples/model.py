@@ -21,6 +21,9 @@ class Config:
   num_heads: int = 4
   mlp_ratio: int = 4
   rope: bool = True  # rotary position embeddings (else learned absolute)
+  # ALiBi instead of any position embedding: a per-head linear penalty on
+  # the distance between query and key, inside jflash's kernels.
+  alibi: bool = False
   dtype: jnp.dtype = jnp.float32
   # How attention runs over a sequence sharded across devices (layout and
   # strategy); None: jflash's defaults.
@@ -54,7 +57,8 @@ class CausalSelfAttention(nnx.Module):
       raise ValueError(f"d_model={cfg.d_model} must be a multiple of "
                        f"num_heads={cfg.num_heads}")
     self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-    self.rope = cfg.rope
+    self.rope = cfg.rope and not cfg.alibi
+    self.alibi = cfg.alibi
     self.context_parallel = cfg.context_parallel
     init = nnx.initializers.normal(0.02)
     self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=False,
@@ -64,6 +68,11 @@ class CausalSelfAttention(nnx.Module):
         cfg.d_model, cfg.d_model, use_bias=False, dtype=cfg.dtype,
         kernel_init=nnx.initializers.normal(0.02 / (2 * cfg.num_layers)**0.5),
         rngs=rngs)
+
+  def alibi_slopes(self):
+    """ALiBi's standard slopes ``[N]`` (constants, not parameters), or
+    None."""
+    return jflash.alibi_slopes(self.num_heads) if self.alibi else None
 
   def qkv_heads(self, x: jax.Array, positions: jax.Array | None = None):
     """``x [B, T, D]`` -> ``q, k, v``, each ``[B, T, N, H]`` (jax.nn layout)."""
@@ -82,6 +91,7 @@ class CausalSelfAttention(nnx.Module):
     # platform (cuDNN / Mosaic on GPU, Mosaic on TPU, blockwise XLA on CPU),
     # context-parallel when the sequence is sharded across devices.
     y = jflash.dot_product_attention(q, k, v, is_causal=True,
+                                     alibi_slopes=self.alibi_slopes(),
                                      context_parallel=self.context_parallel)
     return self.proj(y.reshape(b, t, d))
 
@@ -126,7 +136,7 @@ class TransformerLM(nnx.Module):
     init = nnx.initializers.normal(0.02)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init,
                            dtype=cfg.dtype, rngs=rngs)
-    self.pos = (None if cfg.rope else
+    self.pos = (None if cfg.rope or cfg.alibi else
                 nnx.Embed(cfg.seq_len, cfg.d_model, embedding_init=init,
                           dtype=cfg.dtype, rngs=rngs))
     self.blocks = nnx.List([Block(cfg, rngs=rngs)

@@ -239,6 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--learned-positions", action="store_true",
                  help="learned absolute position embeddings instead of RoPE")
+  p.add_argument("--alibi", action="store_true",
+                 help="ALiBi (a per-head distance penalty inside the "
+                 "attention kernels) instead of any position embedding")
   p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
   p.add_argument("--eval-every", type=int, default=50)
   p.add_argument("--seed", type=int, default=0)
@@ -268,7 +271,7 @@ def main(argv=None) -> dict:
   cfg = Config(vocab_size=data.vocab_size, seq_len=args.seq_len,
                num_layers=args.layers, d_model=args.d_model,
                num_heads=args.heads, rope=not args.learned_positions,
-               dtype=dtype)
+               alibi=args.alibi, dtype=dtype)
   model = TransformerLM(cfg, rngs=nnx.Rngs(args.seed))
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, min(50, args.steps // 10)),

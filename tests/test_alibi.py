@@ -348,3 +348,24 @@ def test_decode_kernels_decline_by_name():
         problem.query, problem.key, problem.value, problem.lengths,
         alibi_slopes=jflash.alibi_slopes(4), interpret=True,
         implementation=jflash.backends.MosaicTpuDecodeBackend())
+
+
+def test_flax_attention_fn_takes_slopes_and_mask_functions():
+  """jflash.flax.attention_fn passes ALiBi slopes (``[N]`` or one row per
+  leading batch index) and a mask function through, leading batch dims
+  flattened as for every other argument."""
+  from jflash.flax import attention_fn  # pylint: disable=import-outside-toplevel
+  rng = fresh_rng()
+  q = random_normal(rng, (2, 3, 20, 4, 8), jnp.float32)
+  slopes = jnp.asarray(rng.uniform(0.05, 0.5, (2, 3, 4)), jnp.float32)
+  fn = jflash.masks.PrefixLM(5)
+  got = attention_fn(q, q, q, alibi_slopes=slopes, mask_fn=fn)
+  flat = q.reshape(6, 20, 4, 8)
+  want = jflash.dot_product_attention(flat, flat, flat, mask_fn=fn,
+                                      alibi_slopes=slopes.reshape(6, 4))
+  assert rel_err(got.reshape(6, 20, 4, 8), want) < 1e-6
+  one = attention_fn(q, q, q, alibi_slopes=slopes[0, 0])
+  assert rel_err(one[0, 0], jflash.dot_product_attention(
+      q[0, 0], q[0, 0], q[0, 0], alibi_slopes=slopes[0, 0])) < 1e-6
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    attention_fn(q, q, q, alibi_slopes=slopes[0])

@@ -715,10 +715,12 @@ def test_mosaic_tpu_kernel_lowers_for_tpu(paged, monkeypatch):
   assert "jflash_mosaic_tpu_decode" in exported.mlir_module()
 
 
-def test_generation_example_matches_the_uncached_model():
+@pytest.mark.parametrize("alibi", [False, True], ids=["rope", "alibi"])
+def test_generation_example_matches_the_uncached_model(alibi):
   """examples/generate_cached.py: prefill in chunks of 16 and 4 tokens,
   then one token per step through shuffled pages, gives the logits of one
-  uncached forward pass and the same greedy tokens."""
+  uncached forward pass and the same greedy tokens (with RoPE, and with
+  ALiBi in both attention calls)."""
   from flax import nnx
 
   from examples import generate_cached as example
@@ -726,7 +728,7 @@ def test_generation_example_matches_the_uncached_model():
   rng = fresh_rng()
   prompt_len, new_tokens = 20, 4
   cfg = Config(vocab_size=32, seq_len=prompt_len + new_tokens, num_layers=1,
-               d_model=32, num_heads=2)
+               d_model=32, num_heads=2, alibi=alibi)
   graphdef, state = nnx.split(TransformerLM(
       cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30)))))
   prompts = rng.integers(0, 32, (3, prompt_len)).astype(np.int32)

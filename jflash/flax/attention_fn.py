@@ -38,8 +38,8 @@ Differences from Flax's own attention (what is honoured, what is not):
   Flax would (same dropout bits for the same ``dropout_rng``).
 * The fallback cannot express jflash-only features in general, so a fallback
   combined with ``scale``, ``segment_ids``, ``query_seq_lengths``,
-  ``key_value_seq_lengths``, ``local_window_size``, ``logits_soft_cap`` or
-  ``attention_sinks`` raises ``NotImplementedError`` naming both arguments;
+  ``key_value_seq_lengths``, ``local_window_size``, ``mask_fn``,
+  ``logits_soft_cap``, ``alibi_slopes`` or ``attention_sinks`` raises ``NotImplementedError`` naming both arguments;
   nothing is silently dropped.
 * ``input_positions`` (NNX's RoPE hook) raises ``NotImplementedError``: apply
   RoPE to query and key before attention.
@@ -67,8 +67,8 @@ from jflash.attention import is_segment_pair
 Array = jax.Array
 
 JFLASH_ONLY = ("scale", "segment_ids", "query_seq_lengths",
-               "key_value_seq_lengths", "local_window_size", "logits_soft_cap",
-               "attention_sinks")
+               "key_value_seq_lengths", "local_window_size", "mask_fn",
+               "logits_soft_cap", "alibi_slopes", "attention_sinks")
 """Keyword arguments that Flax's fallback implementation cannot express."""
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep
@@ -202,6 +202,19 @@ def _flatten_segment_ids(segment_ids: Any, batch_shape: tuple[int, ...],
                        "[batch..., S]", batch_shape + (kv_len,), batch_shape))
 
 
+def _flatten_slopes(slopes: Any, batch_shape: tuple[int, ...],
+                    heads: int) -> Any:
+  """ALiBi slopes ``[N]`` as given; ``[batch..., N]`` -> ``[b, N]``."""
+  if slopes is None or np.ndim(slopes) <= 1:
+    return slopes
+  slopes = jnp.asarray(slopes)
+  if slopes.shape != batch_shape + (heads,):
+    raise ValueError(f"alibi_slopes must have shape [N] = ({heads},) or "
+                     f"[batch..., N] = {batch_shape + (heads,)}, got "
+                     f"{slopes.shape}")
+  return slopes.reshape(-1, heads)
+
+
 def _flatten_lengths(x: Any, name: str, batch_shape: tuple[int, ...]) -> Any:
   if x is None:
     return None
@@ -271,7 +284,9 @@ def attention_fn(
     query_seq_lengths: Array | None = None,
     key_value_seq_lengths: Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    mask_fn: Callable[[Array, Array], Array] | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: Array | None = None,
     attention_sinks: Array | None = None,
     implementation: str | Sequence[str] | None = None,
 ) -> Array:
@@ -294,8 +309,11 @@ def attention_fn(
     segment_ids: int ``[batch..., T]`` or a pair ``([batch..., T],
       [batch..., S])`` given as a tuple (or a list of two arrays).
     query_seq_lengths, key_value_seq_lengths: int ``[batch...]``.
-    local_window_size, logits_soft_cap, attention_sinks, implementation:
-      as in :func:`jflash.dot_product_attention` (sinks ``[N]``).
+    local_window_size, mask_fn, logits_soft_cap, attention_sinks,
+      implementation: as in :func:`jflash.dot_product_attention` (sinks
+      ``[N]``).
+    alibi_slopes: ``[N]`` or ``[batch..., N]``, as in
+      :func:`jflash.dot_product_attention`.
 
   Returns:
     ``[batch..., T, N, Hv]`` in the promoted dtype.
@@ -324,8 +342,8 @@ def attention_fn(
     given = dict(scale=scale, segment_ids=segment_ids,
                  query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths,
-                 local_window_size=local_window_size,
-                 logits_soft_cap=logits_soft_cap,
+                 local_window_size=local_window_size, mask_fn=mask_fn,
+                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                  attention_sinks=attention_sinks)
     blocking = [name for name in JFLASH_ONLY if given[name] is not None]
     if blocking:
@@ -367,7 +385,8 @@ def attention_fn(
           key_value_seq_lengths, "key_value_seq_lengths", batch_shape),
       local_window_size=local_window_size,
       segment_ids=_flatten_segment_ids(segment_ids, batch_shape, t, s),
-      logits_soft_cap=logits_soft_cap, attention_sinks=attention_sinks,
-      implementation=implementation)
+      mask_fn=mask_fn, logits_soft_cap=logits_soft_cap,
+      alibi_slopes=_flatten_slopes(alibi_slopes, batch_shape, n),
+      attention_sinks=attention_sinks, implementation=implementation)
   return out[..., :v_dim].reshape(batch_shape + out.shape[1:3] + (v_dim,))
 
