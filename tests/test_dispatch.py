@@ -464,23 +464,13 @@ def test_table_is_what_the_builder_makes_of_the_checked_in_results():
   from jflash.core import gpu_table
   from pathlib import Path
   results = Path(__file__).parent.parent / "benchmarks" / "results"
-  anchors = []
-  for name in ("h100-jax-2026-12-06-h128.jsonl",
-               "h100-jax-2026-12-06-h64-h256.jsonl"):
-    anchors += dispatch_table.read(
-        results / "2026-12-06-h100-anchors" / name)[1]
-  grid = []
-  for name in ("grid-h256.json", "grid-h128.json"):
-    kind, rows = dispatch_table.read(
-        results / "2026-12-06-h100-default-order" / name)
-    assert gpu_table.gpu_model(kind) == "H100"
-    grid += rows
+  kind, h100_rows = dispatch_table.read(
+      results / "2026-12-07-h100-grid-6704647" / "grid.json")
+  assert gpu_table.gpu_model(kind) == "H100"
   kind, h200_rows = dispatch_table.read(
       results / "2026-12-04-h200-grid-2dfdde0" / "grid.json")
   assert gpu_table.gpu_model(kind) == "H200"
-  built = (dispatch_table.merge(
-      dispatch_table.build(anchors, "H100", gpu_table._H100_ANCHORS),
-      dispatch_table.build(grid, "H100", gpu_table._H100_GRID))
+  built = (dispatch_table.build(h100_rows, "H100", gpu_table._H100)
            + dispatch_table.build(h200_rows, "H200", gpu_table._H200))
   assert tuple(built) == gpu_table.TABLE
 

@@ -50,46 +50,49 @@ class Entry:
   source: str
 
 
-_H100_ANCHORS = ("benchmarks/results/2026-12-06-h100-anchors "
-                 "(H100 80GB HBM3, main dd5348b)")
-_H100_GRID = ("benchmarks/results/2026-12-06-h100-default-order "
-              "(H100 80GB HBM3, main 0c94df2)")
+_H100 = "benchmarks/results/2026-12-07-h100-grid-6704647/grid.json (H100)"
 _H200 = "benchmarks/results/2026-12-04-h200-grid-2dfdde0/grid.json (H200)"
 
 TABLE: tuple[Entry, ...] = (
-    # Built by benchmarks/dispatch_table.py from the files named by
-    # _H100_ANCHORS and then _H100_GRID (a cell of the later run replaces the
-    # earlier one's).
+    # Built by benchmarks/dispatch_table.py from _H100.
+    Entry('H100', 64, 1024, 'causal', False, 'bfloat16',
+          'cudnn', 'mosaic_gpu', _H100),
+    Entry('H100', 64, 1024, 'none', False, 'bfloat16',
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 64, 4096, 'causal', False, 'bfloat16',
-          'cudnn', 'mosaic_gpu', _H100_ANCHORS),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 64, 4096, 'none', False, 'bfloat16',
-          'mosaic_gpu', 'mosaic_gpu', _H100_ANCHORS),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 64, 16384, 'causal', False, 'bfloat16',
-          'mosaic_gpu', 'mosaic_gpu', _H100_ANCHORS),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 64, 16384, 'none', False, 'bfloat16',
-          'cudnn', 'cudnn', _H100_ANCHORS),
+          'mosaic_gpu', 'cudnn', _H100),
     Entry('H100', 128, 1024, 'causal', False, 'bfloat16',
-          'cudnn', 'cudnn', _H100_GRID),
+          'cudnn', 'cudnn', _H100),
     Entry('H100', 128, 1024, 'none', False, 'bfloat16',
-          'mosaic_gpu', 'mosaic_gpu', _H100_GRID),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 128, 4096, 'causal', False, 'bfloat16',
-          'mosaic_gpu', 'cudnn', _H100_GRID),
+          'mosaic_gpu', 'cudnn', _H100),
     Entry('H100', 128, 4096, 'none', False, 'bfloat16',
-          'mosaic_gpu', 'cudnn', _H100_GRID),
+          'mosaic_gpu', 'cudnn', _H100),
     Entry('H100', 128, 16384, 'causal', False, 'bfloat16',
-          'mosaic_gpu', 'cudnn', _H100_GRID),
+          'mosaic_gpu', 'cudnn', _H100),
     Entry('H100', 128, 16384, 'none', False, 'bfloat16',
-          'mosaic_gpu', 'cudnn', _H100_GRID),
+          'mosaic_gpu', 'cudnn', _H100),
     Entry('H100', 128, 16384, 'window', False, 'bfloat16',
-          'mosaic_gpu', 'mosaic_gpu', _H100_GRID),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
+    Entry('H100', 256, 1024, 'causal', False, 'bfloat16',
+          'cudnn', 'cudnn', _H100),
+    Entry('H100', 256, 1024, 'none', False, 'bfloat16',
+          'cudnn', 'mosaic_gpu', _H100),
     Entry('H100', 256, 4096, 'causal', False, 'bfloat16',
-          'mosaic_gpu', 'mosaic_gpu', _H100_GRID),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 256, 4096, 'none', False, 'bfloat16',
-          'cudnn', 'mosaic_gpu', _H100_GRID),
+          'cudnn', 'mosaic_gpu', _H100),
     Entry('H100', 256, 16384, 'causal', False, 'bfloat16',
-          'mosaic_gpu', 'mosaic_gpu', _H100_ANCHORS),
+          'mosaic_gpu', 'mosaic_gpu', _H100),
     Entry('H100', 256, 16384, 'none', False, 'bfloat16',
-          'cudnn', 'mosaic_gpu', _H100_ANCHORS),
+          'cudnn', 'mosaic_gpu', _H100),
     # Built by benchmarks/dispatch_table.py from _H200.
     Entry('H200', 64, 1024, 'causal', False, 'bfloat16',
           'cudnn', 'mosaic_gpu', _H200),
