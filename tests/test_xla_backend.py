@@ -71,3 +71,21 @@ def test_matmul_inputs_selects_the_product_dtype():
   rounded = np.asarray(jnp.asarray(upcast).astype(jnp.bfloat16), np.float32)
   np.testing.assert_array_equal(run("float32", q, k, v), rounded)
   assert not np.array_equal(run("auto", q, k, v), rounded)
+
+
+def test_default_tiles_follow_the_window():
+  """Without explicit blocks, a window's tiles shrink to about half its
+  span (at least 64), so that a narrow band is not computed in 512-wide
+  tiles; explicit blocks are kept."""
+  from jflash.backends.xla.attention import default_block
+  assert default_block(None) == 512
+  assert [default_block(w) for w in (17, 130, 257, 600, 1025, 5000)] == [
+      64, 64, 128, 256, 512, 512]
+  q = jnp.zeros((1, 2048, 2, 16), jnp.float32)
+  call, _ = jflash.attention._canonicalize(
+      q, q, q, None, None, scale=None, is_causal=True,
+      query_seq_lengths=None, key_value_seq_lengths=None,
+      local_window_size=(16, 0), segment_ids=None, logits_soft_cap=None)
+  assert XlaBackend()._plan(call).block_q == 64
+  assert XlaBackend(XlaConfig(block_q=256, block_kv=128))._plan(
+      call).block_kv == 128

@@ -41,8 +41,9 @@ class XlaConfig:
   """Tiling of the ``xla`` backend.
 
   Attributes:
-    block_q: query rows per tile (clipped to ``T``).
-    block_kv: keys per tile (clipped to ``S``).
+    block_q: query rows per tile (clipped to ``T``); None: the rule of
+      :func:`default_block`.
+    block_kv: keys per tile (clipped to ``S``); None: the same rule.
     max_tile_elements: upper bound on ``B * N * block_q * block_kv``, the
       size of one float32 score tile; blocks are halved (down to 16) until a
       tile fits, which bounds the loop's working memory.
@@ -56,18 +57,22 @@ class XlaConfig:
       cost on GPUs and TPUs.
   """
 
-  block_q: int = 512
-  block_kv: int = 512
+  block_q: int | None = None
+  block_kv: int | None = None
   max_tile_elements: int = 1 << 24
   matmul_inputs: str = "auto"
 
   def __post_init__(self):
-    check_config(self, ("block_q", "block_kv", "max_tile_elements"))
+    check_config(self, ("max_tile_elements",), ("block_q", "block_kv"))
 
-  def blocks_for(self, batch: int, heads: int, q_len: int,
-                 kv_len: int) -> tuple[int, int]:
-    """The ``(block_q, block_kv)`` used for one call's shapes."""
-    block_q, block_kv = min(self.block_q, q_len), min(self.block_kv, kv_len)
+  def blocks_for(self, batch: int, heads: int, q_len: int, kv_len: int,
+                 window_span: int | None = None) -> tuple[int, int]:
+    """The ``(block_q, block_kv)`` used for one call's shapes;
+    ``window_span``: how many keys a query sees at most (a window), or
+    None."""
+    block_q = self.block_q or default_block(window_span)
+    block_kv = self.block_kv or default_block(window_span)
+    block_q, block_kv = min(block_q, q_len), min(block_kv, kv_len)
     while batch * heads * block_q * block_kv > self.max_tile_elements:
       if block_kv >= block_q and block_kv > 16:
         block_kv = max(16, block_kv // 2)
@@ -76,6 +81,16 @@ class XlaConfig:
       else:
         break
     return block_q, block_kv
+
+
+def default_block(window_span: int | None) -> int:
+  """512, or for a window of ``window_span`` keys the power of two at or
+  below half of it, at least 64: tiles much wider than the band of visible
+  keys compute mostly hidden pairs, and a sparser mask must not be
+  slower than a denser one."""
+  if window_span is None or window_span >= 1024:
+    return 512
+  return max(64, 1 << max(0, (window_span // 2).bit_length() - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,8 +437,11 @@ class XlaBackend:
   def _plan(self, call: AttentionCall) -> _Plan:
     batch, q_len, num_heads, _ = call.query.shape
     kv_len = call.key.shape[1]
+    mask, right = call.mask, call.mask.right_offset()
+    span = (None if mask.window is None or right is None
+            else mask.window[0] + right + 1)
     block_q, block_kv = self.config.blocks_for(batch, num_heads, q_len,
-                                               kv_len)
+                                               kv_len, span)
     compute_dtype = np.dtype(jnp.promote_types(call.dtype, jnp.float32))
     low_precision = call.dtype in (jnp.bfloat16, jnp.float16)
     matmul_dtype = (np.dtype(call.dtype) if low_precision
