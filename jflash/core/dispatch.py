@@ -31,7 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jflash.backends.xla import XlaBackend
 from jflash.core import derivatives, multi_platform, registry
