@@ -304,9 +304,10 @@ def test_sharded_over_batch_and_heads():
 
 
 # ---------------------------------------------------------------- decode
+@pytest.mark.parametrize("kind", ["xla", "mosaic_tpu"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("per_batch", [False, True])
-def test_decode_with_alibi(paged, per_batch):
+def test_decode_with_alibi(kind, paged, per_batch):
   """The new token at position ``p`` is penalized ``slope * (p - s)`` for
   slot ``s``; against the reference on the same visibility."""
   rng = fresh_rng()
@@ -321,7 +322,9 @@ def test_decode_with_alibi(paged, per_batch):
   out, lse = jflash.decode_attention(
       *args, block_table=problem.table if paged else None,
       local_window_size=problem.window, alibi_slopes=slopes,
-      return_residual=True)
+      return_residual=True, interpret=kind != "xla",
+      implementation=("xla" if kind == "xla"
+                      else jflash.backends.MosaicTpuDecodeBackend()))
   # The reference's query t at position lengths - T + t, as a dense bias.
   positions = np.asarray(problem.lengths)[:, None] - num_new + np.arange(
       num_new)
@@ -340,14 +343,15 @@ def test_decode_with_alibi(paged, per_batch):
   assert lse_err(lse, ref_lse) < 1e-5
 
 
-def test_decode_kernels_decline_by_name():
-  problem = make_problem(fresh_rng(), num_new=1, heads=(4, 2), window=None,
-                         page_size=None)
-  with pytest.raises(NotImplementedError, match="alibi_slopes"):
-    jflash.decode_attention(
-        problem.query, problem.key, problem.value, problem.lengths,
-        alibi_slopes=jflash.alibi_slopes(4), interpret=True,
-        implementation=jflash.backends.MosaicTpuDecodeBackend())
+def test_the_hopper_decode_kernel_declines_by_name():
+  q = jax.ShapeDtypeStruct((2, 1, 8, 128), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  with lowering_for_hopper():
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+      jax.eval_shape(lambda q, k, v, n: jflash.decode_attention(
+          q, k, v, n, alibi_slopes=jflash.alibi_slopes(8),
+          implementation="mosaic_gpu"), q, cache, cache, lengths)
 
 
 def test_flax_attention_fn_takes_slopes_and_mask_functions():

@@ -235,8 +235,9 @@ def test_context_parallel_uses_global_positions(strategy, layout):
 
 
 # ---------------------------------------------------------------- decode
+@pytest.mark.parametrize("kind", ["xla", "mosaic_tpu"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_decode_with_a_mask_function(paged):
+def test_decode_with_a_mask_function(kind, paged):
   """The new token at position ``p`` sees slot ``s`` where the function
   says so, on top of causality and the window."""
   rng = fresh_rng()
@@ -248,7 +249,10 @@ def test_decode_with_a_mask_function(paged):
           (problem.query, problem.key, problem.value, problem.lengths))
   out, lse = jflash.decode_attention(
       *args, block_table=problem.table if paged else None,
-      local_window_size=problem.window, mask_fn=fn, return_residual=True)
+      local_window_size=problem.window, mask_fn=fn, return_residual=True,
+      interpret=kind != "xla",
+      implementation=("xla" if kind == "xla"
+                      else jflash.backends.MosaicTpuDecodeBackend()))
   batch, num_new = problem.query.shape[:2]
   positions = np.asarray(problem.lengths)[:, None] - num_new + np.arange(
       num_new)

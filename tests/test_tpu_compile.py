@@ -230,17 +230,22 @@ def test_context_parallel_blocks_compile(generation, strategy):
 # ------------------------------------------------------------------ decode
 DECODE_CASES = (
     # name, new tokens, heads, kv heads, head dim, dtype, page size, window
+    # [, ALiBi and a mask function]
     ("t1-bf16-h128-contig", 1, 32, 8, 128, "bfloat16", None, None),
     ("t4-f32-h128-paged64", 4, 16, 4, 128, "float32", 64, (512, 0)),
     ("t2-f32-h64-mqa-paged128", 2, 8, 1, 64, "float32", 128, None),
     ("t8-bf16-h256-contig-long", 8, 8, 2, 256, "bfloat16", None, (4096, 0)),
+    ("t4-bf16-h128-paged64-alibi-chunked", 4, 16, 4, 128, "bfloat16", 64,
+     None, True),
 )
 
 
 @pytest.mark.parametrize("generation", sorted(GENERATIONS))
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
 def test_decode_kernel_compiles(generation, case):
-  _, t, heads, kv_heads, head_dim, dtype, page, window = case
+  _, t, heads, kv_heads, head_dim, dtype, page, window, *variants = case
+  variants = dict(alibi_slopes=jflash.alibi_slopes(heads),
+                  mask_fn=masks.ChunkedCausal(1024)) if variants else {}
   batch, capacity = 4, 131072 if "long" in case[0] else 8192
   dt = jnp.dtype(dtype)
   query = _spec(generation, (batch, t, heads, head_dim), dt)
@@ -256,7 +261,7 @@ def test_decode_kernel_compiles(generation, case):
   def decode(q, k, v, lengths, *table):
     return jflash.decode_attention(
         q, k, v, lengths, block_table=table[0] if table else None,
-        local_window_size=window, implementation="mosaic_tpu")
+        local_window_size=window, implementation="mosaic_tpu", **variants)
 
   compiled = _compile(decode, (query, cache, cache, lengths) + extra)
   assert compiled.kernels == ("jflash_mosaic_tpu_decode",), compiled.kernels

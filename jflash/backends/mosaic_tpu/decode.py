@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jflash import masks
+from jflash.core import alibi
 from jflash.core.call import varying_result
 from jflash.core.call import DecodeCall
 from jflash.core.splits import (DecodeConfig, group_rows, make_plan,
@@ -68,6 +70,8 @@ class _Static:
   float32_products: bool  # DecodeConfig(matmul_inputs="float32")
   num_pages: int
   max_pages: int
+  alibi: bool = False   # a "slopes" input: each row's slope, [rows, 128]
+  mask_fn: Any = None   # the call's mask function, or None
 
 
 def _chunk_of(st: _Static, r, b, s, j):
@@ -123,7 +127,18 @@ def _row_visibility(st: _Static, length, slots) -> Array:
   lo, hi = masks.decode_row_bounds_at(lax.rem(row, st.num_new), length,
                                       st.num_new, kv_len=st.capacity,
                                       window=st.window)
-  return (slots >= lo) & (slots < hi) & (row < st.groups * st.num_new)
+  vis = (slots >= lo) & (slots < hi) & (row < st.groups * st.num_new)
+  if st.mask_fn is not None:
+    vis = vis & masks.apply_mask_fn(st.mask_fn, _row_positions(st, length),
+                                    slots)
+  return vis
+
+
+def _row_positions(st: _Static, length) -> Array:
+  """int32 ``[rows, 1]``: the position of row ``g * T + t``'s token,
+  ``length - T + t``."""
+  row = lax.broadcasted_iota(jnp.int32, (st.rows, 1), 0)
+  return length - st.num_new + lax.rem(row, st.num_new)
 
 
 def _step(r: dict, st: _Static, b, s, j) -> None:
@@ -148,6 +163,9 @@ def _step(r: dict, st: _Static, b, s, j) -> None:
   if st.soft_cap is not None:
     cap = jnp.float32(st.soft_cap)
     logits = cap * jnp.tanh(logits / cap)
+  if st.alibi:
+    logits = logits + alibi.penalty(
+        r["slopes"][...][:, :1], _row_positions(st, r["lengths"][b]) - slots)
   logits = jnp.where(vis, logits, -jnp.inf)
   m_prev = r["m_s"][...]
   m_new = jnp.maximum(m_prev, logits.max(axis=1, keepdims=True))
@@ -162,7 +180,7 @@ def _step(r: dict, st: _Static, b, s, j) -> None:
 
 
 def _run(call: DecodeCall, st: _Static, num_splits: int, scalars: dict,
-         q: Array) -> tuple[Array, Array, Array]:
+         q: Array, slopes: Array | None) -> tuple[Array, Array, Array]:
   """``pallas_call`` over the grid; ``(m, l, acc)`` with a leading split
   axis."""
   batch, kv_heads = q.shape[:2]
@@ -178,8 +196,15 @@ def _run(call: DecodeCall, st: _Static, num_splits: int, scalars: dict,
   in_specs = [pl.BlockSpec((None, None, rows, head_dim),
                            lambda b, k, s, j, *_: (b, k, 0, 0)),
               pl.BlockSpec(kv_block, kv_map), pl.BlockSpec(kv_block, kv_map)]
+  extra = ()
+  if slopes is not None:
+    per_batch = slopes.shape[0] > 1
+    in_specs.append(pl.BlockSpec(
+        (None, None, rows, LANES),
+        lambda b, k, s, j, *_: (b if per_batch else 0, k, 0, 0)))
+    extra = (slopes,)
   stats = (batch, kv_heads, num_splits, rows, LANES)
-  arrays = (*scalars.values(), q, key, value)
+  arrays = (*scalars.values(), q, key, value, *extra)
   out_shape = [varying_result(stats, jnp.float32, arrays),
                varying_result(stats, jnp.float32, arrays),
                varying_result(stats[:-1] + (head_dim,), jnp.float32, arrays)]
@@ -189,7 +214,8 @@ def _run(call: DecodeCall, st: _Static, num_splits: int, scalars: dict,
   scratch = [pltpu.VMEM((rows, LANES), jnp.float32),
              pltpu.VMEM((rows, LANES), jnp.float32),
              pltpu.VMEM((rows, head_dim), jnp.float32)]
-  names = (*scalars, "q", "k", "v", "m", "l", "acc", "m_s", "l_s", "acc_s")
+  names = (*scalars, "q", "k", "v", *(("slopes",) if extra else ()),
+           "m", "l", "acc", "m_s", "l_s", "acc_s")
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
       grid=(batch, kv_heads, num_splits, st.steps), in_specs=in_specs,
@@ -202,6 +228,19 @@ def _run(call: DecodeCall, st: _Static, num_splits: int, scalars: dict,
       interpret=call.interpret, name="jflash_mosaic_tpu_decode")(*arrays)
   split_first = lambda x: jnp.moveaxis(x, 2, 0)
   return split_first(m[..., 0]), split_first(l[..., 0]), split_first(acc)
+
+
+def _row_slopes(slopes: Array | None, kv_heads: int, num_new: int,
+               rows: int) -> Array | None:
+  """ALiBi slopes ``[B|1, N]`` -> ``[B|1, K, rows, 128]`` float32: row ``g
+  * T + t`` of key/value head ``k`` holds query head ``k * G + g``'s slope
+  (repeated along the lanes, as the row statistics are); padding rows 0."""
+  if slopes is None:
+    return None
+  per_head = slopes.astype(jnp.float32).reshape(slopes.shape[0], kv_heads, -1)
+  per_row = jnp.repeat(per_head, num_new, axis=2)
+  per_row = jnp.pad(per_row, ((0, 0), (0, 0), (0, rows - per_row.shape[2])))
+  return jnp.broadcast_to(per_row[..., None], per_row.shape + (LANES,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,11 +272,6 @@ class MosaicTpuDecodeBackend:
     if call.dtype not in _DTYPES:
       raise NotImplementedError(f"{self.name} decode serves float32, "
                                 f"bfloat16 and float16, got {call.dtype}")
-    for name in ("alibi_slopes", "mask_fn"):
-      if getattr(call, name) is not None:
-        raise NotImplementedError(f"{self.name} decode: {name} is not "
-                                  "supported yet; the 'xla' decode backend "
-                                  "serves it")
     if not call.interpret:
       platform = call.target().platform
       if platform != "tpu":
@@ -276,10 +310,12 @@ class MosaicTpuDecodeBackend:
                  soft_cap=call.logits_soft_cap, paged=call.paged,
                  float32_products=self.config.matmul_inputs == "float32",
                  num_pages=call.key.shape[0],
-                 max_pages=(call.block_table.shape[1] if call.paged else 0))
+                 max_pages=(call.block_table.shape[1] if call.paged else 0),
+                 alibi=call.alibi_slopes is not None, mask_fn=call.mask_fn)
     q = group_rows(call.query, kv_heads)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - q.shape[2]), (0, 0)))
-    m, l, acc = _run(call, st, plan.num_splits, scalars, q)
+    m, l, acc = _run(call, st, plan.num_splits, scalars, q,
+                     _row_slopes(call.alibi_slopes, kv_heads, num_new, rows))
     out, lse = merge_partials(m, l, acc)
     out, lse = out[:, :, :groups * num_new], lse[:, :, :groups * num_new]
     return (ungroup_rows(out, num_new).astype(call.dtype),
