@@ -347,6 +347,13 @@ def key_visibility_at(position: Array | int, kv_len: int, *,
 
 
 # ------------------------------------------------------------------ decode
+def decode_position(t: Array, lengths: Array, num_new: int) -> Array:
+  """The position of new token ``t`` (int32, any shape broadcasting with
+  ``lengths``) of a sequence holding ``lengths`` tokens, the ``num_new``
+  new ones included: ``lengths - num_new + t``."""
+  return lengths - num_new + t
+
+
 def decode_row_bounds_at(t: Array, lengths: Array, num_new: int, *,
                          kv_len: int,
                          window: tuple[int, int] | None
@@ -363,7 +370,7 @@ def decode_row_bounds_at(t: Array, lengths: Array, num_new: int, *,
     window = (min(int(window[0]), kv_len), min(int(window[1]), kv_len))
   return row_bounds(t, q_len=num_new, kv_len=kv_len, is_causal=True,
                     window=window, kv_length=lengths,
-                    q_offset=lengths - num_new)
+                    q_offset=lengths - num_new)  # decode_position(0, ...)
 
 
 def decode_row_bounds(lengths: Array, num_new: int, *, kv_len: int,
@@ -411,8 +418,8 @@ def decode_visibility(lengths: Array, num_new: int, key_positions: Array, *,
   pos = key_positions[:, None, :]
   vis = (pos >= lo[..., None]) & (pos < hi[..., None])
   if mask_fn is not None:
-    q_pos = (jnp.asarray(lengths, jnp.int32)[:, None] - num_new
-             + jnp.arange(num_new, dtype=jnp.int32))
+    q_pos = decode_position(jnp.arange(num_new, dtype=jnp.int32),
+                            jnp.asarray(lengths, jnp.int32)[:, None], num_new)
     vis = vis & apply_mask_fn(mask_fn, q_pos[..., None], pos)
   return vis
 

@@ -138,7 +138,7 @@ def _row_positions(st: _Static, length) -> Array:
   """int32 ``[rows, 1]``: the position of row ``g * T + t``'s token,
   ``length - T + t``."""
   row = lax.broadcasted_iota(jnp.int32, (st.rows, 1), 0)
-  return length - st.num_new + lax.rem(row, st.num_new)
+  return masks.decode_position(lax.rem(row, st.num_new), length, st.num_new)
 
 
 def _step(r: dict, st: _Static, b, s, j) -> None:

@@ -116,8 +116,8 @@ def _update(call: DecodeCall, plan: SplitPlan, q_rows: Array, carry,
     batch, kv_heads = s.shape[:2]
     slopes = call.alibi_slopes.reshape(-1, kv_heads, groups).astype(s.dtype)
     slopes = jnp.repeat(slopes, num_new, axis=2)[..., None]
-    positions = (call.lengths[:, None] - num_new
-                 + jnp.arange(num_new, dtype=jnp.int32))
+    positions = masks.decode_position(jnp.arange(num_new, dtype=jnp.int32),
+                                      call.lengths[:, None], num_new)
     positions = jnp.tile(positions, (1, groups))  # [B, G*T]
     s = s + alibi.penalty(
         slopes, positions[:, None, :, None] - slots[:, None, None, :])
